@@ -1,0 +1,108 @@
+"""One run's environment: processes, device mesh, random streams, schedules, logging."""
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+
+from . import distributed
+from .errors import ConfigError
+from .logs import RunLogger
+from .schedules import make_lr_schedule, n_updates_per_epoch
+from .sharding import ShardingPlan
+
+
+class Deployer:
+    """Owns the devices of a run and everything that is the same for all its parts.
+
+    The mesh has axes ``('dp', 'mp')``: ``mp`` = ``n_model_shards`` devices hold one copy of the
+    model between them; ``dp`` = devices / n_model_shards copies each see their own slice of
+    every batch.
+    """
+
+    def __init__(self, jax_seed=0, n_model_shards=1, workdir=None, verbose=True,
+                 run_tensorboard=False, wandb_init_kwargs=None, n_processes=None,
+                 host0_address=None, host0_port=None, process_id=None, n_local_devices=None):
+        distributed.initialize(n_processes=n_processes, host0_address=host0_address,
+                               host0_port=host0_port, process_id=process_id,
+                               n_local_devices=n_local_devices)
+        self.jax_seed = int(jax_seed)
+        self.workdir = workdir
+        self.verbose = verbose
+        self.mesh = make_mesh(n_model_shards)
+        self._rng = jax.random.PRNGKey(self.jax_seed)
+        self.logger = RunLogger(workdir=workdir, verbose=verbose, run_tensorboard=run_tensorboard,
+                                wandb_init_kwargs=wandb_init_kwargs)
+        self.log_info(
+            f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
+            f"process(es); mesh dp={self.n_data_shards} x mp={self.n_model_shards}")
+
+    @property
+    def n_model_shards(self):
+        return self.mesh.shape["mp"]
+
+    @property
+    def n_data_shards(self):
+        return self.mesh.shape["dp"]
+
+    @property
+    def process_index(self):
+        return jax.process_index()
+
+    @property
+    def n_processes(self):
+        return jax.process_count()
+
+    def global_batch_size(self, per_device_batch_size):
+        """Examples per micro-batch across the whole mesh: one slice per data-parallel shard."""
+        return int(per_device_batch_size) * self.n_data_shards
+
+    def gen_rng(self):
+        """A fresh PRNG key; the sequence depends on ``jax_seed`` only (same on every process)."""
+        self._rng, rng = jax.random.split(self._rng)
+        return rng
+
+    def get_lr_schedule_fn(self, train_size, per_device_batch_size, n_epochs, learning_rate,
+                           schedule_type="linear", warmup_rate=0.0, warmup_steps=None,
+                           init_learning_rate=0.0, end_learning_rate=0.0,
+                           accumulate_grad_batches=1):
+        """An optax schedule over the run's optimizer updates (not its micro-batches)."""
+        per_epoch = n_updates_per_epoch(train_size, self.global_batch_size(per_device_batch_size),
+                                        accumulate_grad_batches)
+        total = per_epoch * int(n_epochs)
+        if warmup_steps is None:
+            warmup_steps = int(round(warmup_rate * total))
+        return make_lr_schedule(total, learning_rate, schedule_type=schedule_type,
+                                warmup_steps=warmup_steps, init_learning_rate=init_learning_rate,
+                                end_learning_rate=end_learning_rate)
+
+    def get_sharding_plan(self, params, params_sharding_rules=None):
+        """The placement of every parameter on this mesh (printable with ``.table()``)."""
+        return ShardingPlan(params, self.mesh, user_rules=params_sharding_rules)
+
+    def get_sharding_rules(self, params):
+        """Automatic rules for ``params`` in the paper's format: [(tuple of regexes, PartitionSpec)]."""
+        return self.get_sharding_plan(params).rules()
+
+    def log_info(self, text, title=None):
+        self.logger.info(text, title=title)
+
+    def log_warning(self, text):
+        self.logger.warning(text)
+
+    def log_metrics(self, metrics, step):
+        self.logger.metrics(metrics, step)
+
+
+def make_mesh(n_model_shards, devices=None):
+    """A ('dp', 'mp') mesh over all devices, or a clear error when the shards do not divide them."""
+    devices = jax.devices() if devices is None else devices
+    n = len(devices)
+    if not isinstance(n_model_shards, (int, np.integer)) or n_model_shards < 1:
+        raise ConfigError(f"n_model_shards={n_model_shards!r}; it must be a positive integer.")
+    if n % n_model_shards:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise ConfigError(
+            f"n_model_shards={n_model_shards} does not divide the {n} available devices. Fix: use "
+            f"one of {divisors}, or run on a number of devices that {n_model_shards} divides.")
+    return jax.make_mesh((n // n_model_shards, n_model_shards), ("dp", "mp"),
+                         axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)

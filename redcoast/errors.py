@@ -1,0 +1,21 @@
+"""Errors a user can cause, each carrying a message that names the cause and the fix."""
+
+
+class RedcoastError(Exception):
+    """Base class of every error redcoast raises on purpose."""
+
+
+class ConfigError(RedcoastError, ValueError):
+    """The run's configuration cannot work (devices, batch sizes, shards, rules)."""
+
+
+class DataError(RedcoastError, ValueError):
+    """The output of ``collate_fn`` (or of ``pred_fn``) cannot become a batch."""
+
+
+class LossError(RedcoastError, TypeError):
+    """``loss_fn`` returned something that is not a scalar loss (with optional metrics)."""
+
+
+class NonFiniteLossError(RedcoastError, FloatingPointError):
+    """The training loss became NaN or infinite; no update from that step was applied."""

@@ -1,0 +1,101 @@
+"""Where a run's messages and metrics go: console, ``log.txt``, ``metrics.jsonl``, TensorBoard, W&B.
+
+Only process 0 writes; the other processes stay silent so a multi-host log reads like one.
+"""
+
+import json
+import logging as _logging
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+class RunLogger:
+    """Logs text and scalar metrics of one run, from process 0 only."""
+
+    def __init__(self, workdir=None, verbose=True, run_tensorboard=False, wandb_init_kwargs=None):
+        self.workdir = workdir
+        self.enabled = jax.process_index() == 0
+        self._tb = None
+        self._wandb = None
+        self._metrics_file = None
+        self._logger = _logging.getLogger(f"redcoast.run.{id(self)}")
+        self._logger.setLevel(_logging.INFO)
+        self._logger.propagate = False
+        if not self.enabled:
+            return
+        fmt = _logging.Formatter("[%(asctime)s redcoast] %(message)s", "%H:%M:%S")
+        if verbose:
+            console = _logging.StreamHandler(sys.stdout)
+            console.setFormatter(fmt)
+            self._logger.addHandler(console)
+        if workdir is not None:
+            os.makedirs(workdir, exist_ok=True)
+            file_handler = _logging.FileHandler(os.path.join(workdir, "log.txt"))
+            file_handler.setFormatter(fmt)
+            self._logger.addHandler(file_handler)
+            self._metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        if run_tensorboard:
+            if workdir is None:
+                raise ValueError("run_tensorboard=True needs a workdir to write events to. "
+                                 "Fix: pass workdir=... to Deployer.")
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
+        if wandb_init_kwargs is not None:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("wandb_init_kwargs was given but wandb is not installed. "
+                                  "Fix: pip install 'redcoast[wandb]'.") from e
+            self._wandb = wandb.init(**wandb_init_kwargs)
+
+    def info(self, text, title=None):
+        if not self.enabled:
+            return
+        if title is not None:
+            text = f"{title}\n{text}"
+        for line in str(text).splitlines() or [""]:
+            self._logger.info(line)
+
+    def warning(self, text):
+        if self.enabled:
+            self._logger.warning(f"WARNING: {text}")
+
+    def metrics(self, metrics, step):
+        """Record a dict of scalars at ``step`` in every enabled sink."""
+        if not self.enabled:
+            return
+        scalars = {k: _to_python(v) for k, v in metrics.items()}
+        if self._metrics_file is not None:
+            self._metrics_file.write(json.dumps({"step": int(step), "time": time.time(), **scalars}) + "\n")
+            self._metrics_file.flush()
+        if self._tb is not None:
+            for k, v in scalars.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, global_step=int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=int(step))
+
+    def close(self):
+        for handler in list(self._logger.handlers):
+            handler.close()
+            self._logger.removeHandler(handler)
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _to_python(value):
+    if isinstance(value, (str, bool, int, float)) or value is None:
+        return value
+    array = np.asarray(value)
+    if array.ndim == 0:
+        return array.item()
+    return array.tolist()

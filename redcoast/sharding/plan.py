@@ -1,0 +1,55 @@
+"""A parameter placement plan: automatic rules, user overrides, validation, and shardings."""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .auto import auto_placements
+from .opt_state import opt_state_specs
+from .paths import path_to_tuple
+from .rules import (Placement, check_rules_format, check_spec_fits, first_matching_rule,
+                    format_plan, format_rules, generalize_rules)
+
+
+class ShardingPlan:
+    """Where every parameter (and optimizer-state leaf) of a model lives on the mesh."""
+
+    def __init__(self, params, mesh, user_rules=None):
+        self.mesh = mesh
+        self.axis_sizes = dict(mesh.shape)
+        n_model_shards = self.axis_sizes.get("mp", 1)
+        placements = auto_placements(params, n_model_shards)
+        if user_rules:
+            check_rules_format(user_rules)
+            placements = [self._apply_user_rule(pl, user_rules) for pl in placements]
+        self.placements = placements
+        by_path = {pl.path: pl.spec for pl in placements}
+        self.param_specs = jax.tree_util.tree_map_with_path(
+            lambda kp, _: by_path[path_to_tuple(kp)], params)
+
+    def _apply_user_rule(self, placement, user_rules):
+        spec = first_matching_rule(user_rules, placement.path)
+        if spec is None:
+            return placement
+        check_spec_fits(spec, placement.shape, self.axis_sizes, placement.path)
+        return Placement(placement.path, placement.shape, placement.dtype, spec, "user rule")
+
+    def param_shardings(self):
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.param_specs,
+                                      is_leaf=lambda x: isinstance(x, P))
+
+    def opt_state_shardings(self, opt_state):
+        specs = opt_state_specs(opt_state, self.placements)
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
+                                      is_leaf=lambda x: isinstance(x, P))
+
+    def rules(self):
+        """The plan as the paper's regex rules (paste-able back as ``params_sharding_rules``)."""
+        return generalize_rules(self.placements)
+
+    def rules_source(self):
+        return format_rules(self.rules())
+
+    def table(self):
+        return format_plan(self.placements, self.axis_sizes)
+
+

@@ -1,0 +1,124 @@
+"""The jitted functions of a run: the training step, the evaluation step, the prediction step.
+
+Each is a pure function of (state or params, batch, rng); the Trainer and Predictor compile them
+with explicit shardings. Mixed precision: parameters are kept (and updated) in their own dtype
+(fp32 master weights); ``compute_dtype`` is what ``loss_fn`` sees, so its forward and backward
+run in that dtype while gradients arrive, are accumulated and are applied in fp32.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .errors import LossError
+
+
+def cast_floating(tree, dtype):
+    """Cast floating-point leaves to ``dtype``; integer leaves are left alone."""
+    if dtype is None:
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def split_loss_output(output):
+    """``loss_fn``'s output as (scalar fp32 loss, dict of scalar fp32 metrics), or a clear error."""
+    if isinstance(output, (tuple, list)) and len(output) == 2 and isinstance(output[1], dict):
+        loss, metrics = output
+    else:
+        loss, metrics = output, {}
+    try:
+        loss = jnp.asarray(loss)
+    except TypeError as e:
+        raise LossError(
+            f"loss_fn returned {type(loss).__name__}; it must return a scalar loss or "
+            "(scalar loss, dict of scalar metrics).") from e
+    if loss.shape != ():
+        raise LossError(
+            f"loss_fn returned a loss of shape {loss.shape}; it must be a scalar. Fix: reduce it, "
+            "e.g. `return jnp.mean(per_example_loss)`, and return metrics as "
+            "(loss, {'name': scalar}).")
+    out_metrics = {}
+    for name, value in metrics.items():
+        value = jnp.asarray(value)
+        if value.shape != ():
+            raise LossError(
+                f"loss_fn returned metric '{name}' of shape {value.shape}; metrics must be "
+                f"scalars. Fix: reduce '{name}' (e.g. with jnp.mean) inside loss_fn.")
+        out_metrics[name] = value.astype(jnp.float32)
+    if "loss" in out_metrics:
+        raise LossError("loss_fn returned a metric named 'loss', which redcoast reserves for the "
+                        "loss itself. Fix: rename that metric.")
+    return loss.astype(jnp.float32), out_metrics
+
+
+def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None):
+    """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
+
+    With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
+    the gradient is their mean, computed in one compiled loop. An update whose loss is not
+    finite is not applied, and no later one is either: ``state.nonfinite_step`` records it.
+    """
+    def loss_and_grad(state, params, batch, rng):
+        def objective(p):
+            return split_loss_output(loss_fn(rng, state, cast_floating(p, compute_dtype), batch, True))
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return loss, metrics, grads
+
+    def step(state, batch, rng):
+        step_rng = jax.random.fold_in(rng, state.step)
+        if accumulate_grad_batches == 1:
+            loss, metrics, grads = loss_and_grad(state, state.params, batch, jax.random.fold_in(step_rng, 0))
+        else:
+            def micro(carry, xs):
+                micro_batch, i = xs
+                loss, metrics, grads = loss_and_grad(state, state.params, micro_batch,
+                                                     jax.random.fold_in(step_rng, i))
+                total = jax.tree_util.tree_map(jnp.add, carry, (loss, metrics, grads))
+                if grad_shardings is not None:  # keep the running sum sharded like the params
+                    total = (total[0], total[1], jax.lax.with_sharding_constraint(total[2], grad_shardings))
+                return total, None
+
+            zeros = jax.eval_shape(lambda: loss_and_grad(state, state.params,
+                                                         jax.tree_util.tree_map(lambda x: x[0], batch), step_rng))
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+            (loss, metrics, grads), _ = jax.lax.scan(
+                micro, zeros, (batch, jnp.arange(accumulate_grad_batches)))
+            loss, metrics, grads = jax.tree_util.tree_map(
+                lambda x: x / accumulate_grad_batches, (loss, metrics, grads))
+
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & (state.nonfinite_step < 0)
+        keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
+        new_state = state.replace(
+            step=jnp.where(ok, state.step + 1, state.step),
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            nonfinite_step=jnp.where(ok | (state.nonfinite_step >= 0), state.nonfinite_step, state.step))
+        return new_state, {"loss": loss, **metrics}
+
+    return step
+
+
+def make_eval_step(loss_fn, compute_dtype):
+    """``step(state, batch, mask, rng) -> (sums, count)``: example-weighted loss and metrics.
+
+    ``loss_fn`` is applied to each example as a batch of one (vectorised with ``vmap``), so the
+    result is the mean over examples whatever the batch size, and padded rows (``mask`` False)
+    count for nothing.
+    """
+    def step(state, batch, mask, rng):
+        params = cast_floating(state.params, compute_dtype)
+
+        def one(example):
+            example = jax.tree_util.tree_map(lambda x: x[None], example)
+            return split_loss_output(loss_fn(rng, state, params, example, False))
+
+        losses, metrics = jax.vmap(one)(batch)
+        weights = mask.astype(jnp.float32)
+        sums = {"loss": jnp.sum(losses * weights),
+                **{k: jnp.sum(v * weights) for k, v in metrics.items()}}
+        return sums, jnp.sum(weights)
+
+    return step

@@ -1,0 +1,24 @@
+"""The training state: step, parameters, optimizer state, and the functions that use them."""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What one training step reads and writes (as in redco and Flax's ``TrainState``).
+
+    ``apply_fn`` and ``tx`` are static: they are part of the compiled step, not data.
+    """
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    nonfinite_step: jax.Array  # -1, or the first step whose loss was NaN or inf
+    apply_fn: Callable = dataclasses.field(metadata=dict(static=True))
+    tx: Any = dataclasses.field(metadata=dict(static=True))
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
