@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import DataError
-from .sharding.paths import key_to_str, leaves_with_paths, path_to_str
+from .sharding.paths import key_to_str, path_to_str
 
 
 def epoch_order(n_examples, seed, epoch, shuffle=True):
@@ -51,9 +51,11 @@ def check_collated(batch, n_rows, where="collate_fn"):
             f"{where} returned a {type(batch).__name__}; redcoast needs a dict of arrays with the "
             f"batch first, e.g. {{'input_ids': array of shape ({n_rows}, seq_len)}}. "
             f"Fix: return a dict from {where}.")
-    checked = {}
-    for path, value in leaves_with_paths(batch):
-        key = path_to_str(path)
+    is_array = lambda x: not isinstance(x, dict)  # lists of rows are arrays, not subtrees
+    checked = []
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch, is_leaf=is_array)
+    for key_path, value in flat:
+        key = path_to_str(tuple(key_to_str(k) for k in key_path))
         try:
             array = np.asarray(value)
         except ValueError as e:
@@ -72,9 +74,8 @@ def check_collated(batch, n_rows, where="collate_fn"):
                 f"{where} was given {n_rows} examples but returned {got} for key '{key}'. Fix: "
                 f"every array returned by {where} must have the batch dimension first, one row "
                 "per example.")
-        checked[path] = array
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, _: checked[tuple(key_to_str(k) for k in kp)], batch)
+        checked.append(array)
+    return jax.tree_util.tree_unflatten(treedef, checked)
 
 
 class BatchMaker:

@@ -48,7 +48,10 @@ class Trainer:
             deployer.log_info(self.plan.table(), title="Sharding plan")
             deployer.log_info(self.plan.rules_source(), title="As params_sharding_rules:")
         param_shardings = self.plan.param_shardings()
-        params = jax.device_put(params, param_shardings)
+        # The step donates its state, which must never delete the caller's arrays, and
+        # device_put may reuse their buffers: a compiled copy owns fresh ones.
+        params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=param_shardings)(
+            jax.device_put(params, param_shardings))
         opt_shardings = self.plan.opt_state_shardings(jax.eval_shape(optimizer.init, params))
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), self._replicated)

@@ -17,14 +17,27 @@ from .rules import Placement
 MP = "mp"
 EMBEDDING_NAMES = ("embed", "wte", "wpe", "embedding")
 KERNEL_NAMES = ("kernel", "weight", "w")
+BIAS_NAMES = ("bias", "b")
+
+
+def _is_bias(path):
+    return bool(path) and path[-1].lower() in BIAS_NAMES
 
 
 def model_width(shapes):
-    """The residual-stream width: the most frequent dimension among matrices (ties: larger)."""
-    counts = Counter(d for s in shapes if len(s) >= 2 for d in s)
-    if not counts:
+    """The residual-stream width: the dimension found in the most parameter bytes.
+
+    Every large matrix of a transformer touches the residual stream, so its width is the
+    dimension shared by most of the parameters by size (head counts and head sizes are not).
+    """
+    weight = Counter()
+    for s in shapes:
+        if len(s) >= 2:
+            for d in set(s):
+                weight[d] += int(np.prod(s))
+    if not weight:
         return None
-    return max(counts, key=lambda d: (counts[d], d))
+    return max(weight, key=lambda d: (weight[d], d))
 
 
 def _split(shape, axis, n, what):
@@ -60,7 +73,7 @@ def auto_placements(params, n_model_shards):
     # last writes it back (row).
     square_runs, run, last_block = [], [], None
     for path, shape, _ in leaves:
-        if len(shape) < 2:
+        if len(shape) < 2 or _is_bias(path):
             continue  # biases and norms sit between kernels but do not break a run
         is_square = len(shape) == 2 and shape[0] == shape[1] == hidden and not _is_embedding(path, shape)
         block = _block_of(path)
@@ -82,7 +95,7 @@ def auto_placements(params, n_model_shards):
     # residual stream and the row split of one writing to it.
     placements = {}
     for path, shape, dtype in leaves:
-        if len(shape) < 2:
+        if len(shape) < 2 or _is_bias(path):
             continue
         if _is_embedding(path, shape):
             vocab_axis = 0 if shape[0] != hidden else 1

@@ -10,6 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .paths import path_to_tuple
+from .rules import normalize_spec
 
 
 def _padded(spec, ndim):
@@ -44,5 +45,6 @@ def opt_state_specs(opt_state, placements):
     """A pytree of PartitionSpecs shaped like ``opt_state``, from the parameters' placements."""
     by_path = {pl.path: (tuple(pl.shape), pl.spec) for pl in placements}
     return jax.tree_util.tree_map_with_path(
-        lambda kp, leaf: state_leaf_spec(path_to_tuple(kp), tuple(getattr(leaf, "shape", ())), by_path),
+        lambda kp, leaf: normalize_spec(
+            state_leaf_spec(path_to_tuple(kp), tuple(getattr(leaf, "shape", ())), by_path)),
         opt_state)

@@ -14,6 +14,14 @@ from ..errors import ConfigError
 from .paths import path_to_str
 
 
+def normalize_spec(spec):
+    """The spec without trailing ``None`` entries: P('mp', None) and P('mp') mean the same."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where one parameter goes, and why."""
@@ -22,6 +30,9 @@ class Placement:
     dtype: object
     spec: P
     reason: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "spec", normalize_spec(self.spec))
 
     def bytes_per_device(self, axis_sizes):
         """Bytes of this parameter on one device, given the mesh axis sizes."""

@@ -1,0 +1,77 @@
+"""Every mistake a user can make gets one clear message naming the cause and the fix."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from redcoast import (ConfigError, DataError, Deployer, LossError, NonFiniteLossError, Predictor,
+                      Trainer)
+from tiny_lm import collate_fn, loss_fn, make_examples, make_model
+
+
+@pytest.fixture(scope="module")
+def deployer():
+    return Deployer(n_model_shards=2, verbose=False)
+
+
+def make_trainer(deployer, loss=loss_fn, collate=collate_fn, **kwargs):
+    model, params = make_model()
+    return Trainer(deployer, collate, model.apply, loss, params, optax.adamw(1e-2), **kwargs)
+
+
+def test_model_shards_must_divide_the_devices():
+    with pytest.raises(ConfigError, match=r"n_model_shards=3 does not divide the 8 .*\[1, 2, 4, 8\]"):
+        Deployer(n_model_shards=3, verbose=False)
+
+
+@pytest.mark.parametrize("collate, message", [
+    (lambda exs: {"ids": [list(range(len(e["ids"]) - i)) for i, e in enumerate(exs)]},
+     r"ragged value for key 'ids'.*pad every row"),
+    (lambda exs: {"ids": collate_fn(exs)["ids"], "text": np.array(["a"] * len(exs))},
+     r"non-numeric data for key 'text'"),
+    (lambda exs: {"ids": collate_fn(exs)["ids"], "mask": np.ones((len(exs) + 1, 3))},
+     r"given 4 examples but returned 5 rows .* for key 'mask'"),
+    (lambda exs: [e["ids"] for e in exs], r"returned a list; redcoast needs a dict"),
+])
+def test_bad_collate_output(deployer, collate, message):
+    trainer = make_trainer(deployer, collate=collate)
+    with pytest.raises(DataError, match=message):
+        trainer.train(make_examples(8), 1)
+
+
+def test_loss_must_be_a_scalar(deployer):
+    def per_example_loss(rng, state, params, batch, is_training):
+        return jnp.zeros(batch["ids"].shape[0]) + loss_fn(rng, state, params, batch, is_training)[0]
+
+    with pytest.raises(LossError, match=r"loss of shape \(4,\); it must be a scalar"):
+        make_trainer(deployer, loss=per_example_loss).train(make_examples(8), 1)
+
+
+def test_nan_loss_stops_names_the_step_and_saves_nothing(tmp_path):
+    deployer = Deployer(n_model_shards=2, verbose=False, workdir=str(tmp_path))
+
+    def exploding_loss(rng, state, params, batch, is_training):
+        loss, metrics = loss_fn(rng, state, params, batch, is_training)
+        return jnp.where(state.step == 3, jnp.nan, loss), metrics
+
+    trainer = make_trainer(deployer, loss=exploding_loss)
+    with pytest.raises(NonFiniteLossError, match=r"became nan at step 3 .*no checkpoint was written"):
+        trainer.fit(make_examples(48), 1, 1, log_every_n_steps=5, save_last_ckpt=True)
+    assert not os.path.exists(tmp_path / "ckpts")
+    assert int(trainer.state.step) == 3
+    assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree_util.tree_leaves(trainer.params))
+
+
+def test_batch_larger_than_the_data(deployer):
+    with pytest.raises(ConfigError, match="do not fill one update"):
+        make_trainer(deployer).train(make_examples(3), 1)
+
+
+def test_prediction_outputs_must_have_a_batch_dimension(deployer):
+    model, params = make_model()
+    predictor = Predictor(deployer, collate_fn, lambda rng, p, batch: jnp.sum(batch["ids"]))
+    with pytest.raises(DataError, match="pred_fn returned a scalar"):
+        predictor.predict(make_examples(3), 1, params)
