@@ -37,7 +37,10 @@ class RunLogger:
             file_handler = _logging.FileHandler(os.path.join(workdir, "log.txt"))
             file_handler.setFormatter(fmt)
             self._logger.addHandler(file_handler)
+            # Appended to, so a continued run keeps its history; a marker line starts each run.
             self._metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+            self._metrics_file.write(json.dumps({"event": "run_start", "time": time.time()}) + "\n")
+            self._metrics_file.flush()
         if run_tensorboard:
             if workdir is None:
                 raise ValueError("run_tensorboard=True needs a workdir to write events to. "

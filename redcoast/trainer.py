@@ -116,16 +116,21 @@ class Trainer:
                            for i in range(n_steps))
         bar = tqdm(total=n_steps, desc=desc or "train", dynamic_ncols=True,
                    disable=not (self.deployer.verbose and jax.process_index() == 0))
-        pending, since = [], time.perf_counter()
+        pending, timed, since = [], 0, time.perf_counter()
         try:
             for i, batch in enumerate(batches):
                 self._state, metrics = self._train_step(self._state, batch, self._train_rng)
                 self._host_step += 1
                 pending.append(metrics)
+                if i == 0:  # the first call compiles: time throughput from its end
+                    since = time.perf_counter()
+                else:
+                    timed += 1
                 if len(pending) == log_every_n_steps or i + 1 == n_steps:
-                    rate = len(pending) * per_update / (time.perf_counter() - since)
+                    elapsed = time.perf_counter() - since
+                    rate = timed * per_update / elapsed if timed and elapsed > 0 else None
                     self._log_train(pending, rate, bar)
-                    pending, since = [], time.perf_counter()
+                    pending, timed, since = [], 0, time.perf_counter()
                 bar.update(1)
         finally:
             bar.close()
@@ -143,7 +148,8 @@ class Trainer:
         means = {k: float(np.mean([m[k] for m in history])) for k in history[-1]}
         if self.lr_schedule_fn is not None:
             means["lr"] = float(self.lr_schedule_fn(self._host_step - 1))
-        means["examples_per_s"] = examples_per_s
+        if examples_per_s is not None:  # unknown when the window held only the compiling step
+            means["examples_per_s"] = examples_per_s
         bar.set_postfix({k: f"{v:.4g}" for k, v in means.items()}, refresh=False)
         self.deployer.log_metrics({f"train_{k}": v for k, v in means.items()}, self._host_step)
 
