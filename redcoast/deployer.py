@@ -6,6 +6,7 @@ from jax.sharding import AxisType
 
 from . import distributed
 from .errors import ConfigError
+from .export import save_params
 from .logs import RunLogger
 from .schedules import make_lr_schedule, n_updates_per_epoch
 from .sharding import ShardingPlan
@@ -82,6 +83,10 @@ class Deployer:
     def get_sharding_rules(self, params):
         """Automatic rules for ``params`` in the paper's format: [(tuple of regexes, PartitionSpec)]."""
         return self.get_sharding_plan(params).rules()
+
+    def export_params(self, params, path):
+        """Write ``params`` as one safetensors file: tensor name ('a.b.kernel') -> array."""
+        save_params(params, path)
 
     def log_info(self, text, title=None):
         self.logger.info(text, title=title)

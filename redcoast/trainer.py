@@ -10,11 +10,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from .checkpoint import save_params
+from .checkpoint import CheckpointStore, key_from_json, key_to_json
+from .export import save_params
 from .data import BatchMaker, epoch_order, padded_batches, prefetch
 from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
 from .predictor import Predictor
+from .preemption import PreemptionGuard
 from .steps import make_eval_step, make_train_step
 from .train_state import TrainState
 
@@ -97,54 +99,71 @@ class Trainer:
         return Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn,
                          params_sharding_rules=self.plan.rules())
 
+    def updates_per_epoch(self, n_examples, per_device_batch_size):
+        """Optimizer updates in one epoch (the last incomplete batch is dropped)."""
+        per_update = self.deployer.global_batch_size(per_device_batch_size) * self.accumulate_grad_batches
+        n_steps = n_examples // per_update
+        if n_steps == 0:
+            raise ConfigError(
+                f"{n_examples} training examples do not fill one update of {per_update} "
+                f"(per_device_batch_size={per_device_batch_size} x {self.deployer.n_data_shards} "
+                f"data shards x accumulate_grad_batches={self.accumulate_grad_batches}). Fix: use "
+                "a smaller batch size.")
+        return n_steps
+
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
-              log_every_n_steps=10):
-        """One pass over ``examples`` (shuffled from the seed and ``epoch``); the last
-        incomplete batch is dropped."""
+              log_every_n_steps=10, start_position=0, after_step=None):
+        """One pass over ``examples`` (shuffled from the seed and ``epoch``), from update
+        ``start_position`` of the epoch on; the last incomplete batch is dropped.
+
+        ``after_step(position)`` runs after each update (``position`` updates of this epoch
+        done); if it returns True the epoch stops there. Returns the position reached.
+        """
         k = self.accumulate_grad_batches
         global_batch = self.deployer.global_batch_size(per_device_batch_size)
         per_update = global_batch * k
-        n_steps = len(examples) // per_update
-        if n_steps == 0:
-            raise ConfigError(
-                f"{len(examples)} training examples do not fill one update of {per_update} "
-                f"(per_device_batch_size={per_device_batch_size} x {self.deployer.n_data_shards} "
-                f"data shards x accumulate_grad_batches={k}). Fix: use a smaller batch size.")
+        n_steps = self.updates_per_epoch(len(examples), per_device_batch_size)
         order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
         maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch, micro_batches=k)
         batches = prefetch(maker.make(examples, order[i * per_update:(i + 1) * per_update])
-                           for i in range(n_steps))
-        bar = tqdm(total=n_steps, desc=desc or "train", dynamic_ncols=True,
+                           for i in range(start_position, n_steps))
+        bar = tqdm(total=n_steps, initial=start_position, desc=desc or "train", dynamic_ncols=True,
                    disable=not (self.deployer.verbose and jax.process_index() == 0))
         pending, timed, since = [], 0, time.perf_counter()
+        position = start_position
         try:
-            for i, batch in enumerate(batches):
+            for batch in batches:
                 self._state, metrics = self._train_step(self._state, batch, self._train_rng)
                 self._host_step += 1
+                position += 1
                 pending.append(metrics)
-                if i == 0:  # the first call compiles: time throughput from its end
+                if position == start_position + 1:  # the first call compiles: time from its end
                     since = time.perf_counter()
                 else:
                     timed += 1
-                if len(pending) == log_every_n_steps or i + 1 == n_steps:
+                if len(pending) == log_every_n_steps or position == n_steps:
                     elapsed = time.perf_counter() - since
                     rate = timed * per_update / elapsed if timed and elapsed > 0 else None
                     self._log_train(pending, rate, bar)
                     pending, timed, since = [], 0, time.perf_counter()
                 bar.update(1)
+                if after_step is not None and after_step(position):
+                    break
         finally:
             bar.close()
+        return position
+
+    def _check_finite(self):
+        """Raise if a loss was NaN or inf (one host sync): such a state is never saved."""
+        bad_step = int(to_host(self._state.nonfinite_step))
+        if bad_step >= 0:
+            raise NonFiniteLossError(_nonfinite_message(bad_step, "NaN or inf"))
 
     def _log_train(self, pending, examples_per_s, bar):
         """Pull the metrics of the last few steps (one host sync), check them, log them."""
         history, bad_step = to_host((pending, self._state.nonfinite_step))
         if bad_step >= 0:
-            raise NonFiniteLossError(
-                f"The training loss became {_describe_nonfinite(history)} at step {int(bad_step)} "
-                f"(counting from 0). That update and every later one were not applied, so "
-                f"trainer.state holds the parameters from before step {int(bad_step)}, and no "
-                "checkpoint was written. Fix: lower the learning rate, add warmup or gradient "
-                "clipping (optax.clip_by_global_norm), or check that batch for bad values.")
+            raise NonFiniteLossError(_nonfinite_message(int(bad_step), _describe_nonfinite(history)))
         means = {k: float(np.mean([m[k] for m in history])) for k in history[-1]}
         if self.lr_schedule_fn is not None:
             means["lr"] = float(self.lr_schedule_fn(self._host_step - 1))
@@ -175,54 +194,194 @@ class Trainer:
         """Write the current parameters as a safetensors file (readable without redcoast)."""
         save_params(self._state.params, path)
 
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def _state_arrays(self):
+        s = self._state
+        return {"step": s.step, "params": s.params, "opt_state": s.opt_state,
+                "nonfinite_step": s.nonfinite_step}
+
+    def _abstract_state(self):
+        shardings = self._state_shardings
+        targets = {"step": shardings.step, "params": shardings.params,
+                   "opt_state": shardings.opt_state, "nonfinite_step": shardings.nonfinite_step}
+        return jax.tree_util.tree_map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            self._state_arrays(), targets)
+
+    def save_checkpoint(self, store, epoch, position, config=None):
+        """Start saving the full training state to ``store`` (a :class:`CheckpointStore`)."""
+        self._check_finite()
+        meta = {"step": self._host_step, "epoch": int(epoch), "position": int(position),
+                "train_rng": key_to_json(to_host(self._train_rng)),
+                "eval_rng": key_to_json(to_host(self._eval_rng)),
+                "best": dict(self._best), "config": config or {}}
+        store.save(self._host_step, self._state_arrays(), meta)
+        return meta
+
+    def restore_checkpoint(self, store):
+        """Load the newest complete checkpoint of ``store`` onto this mesh; its meta, or None."""
+        restored = store.restore_latest(self._abstract_state())
+        if restored is None:
+            return None
+        arrays, meta = restored
+        self._state = self._state.replace(**arrays)
+        self._host_step = int(meta["step"])
+        self._train_rng = jax.device_put(key_from_json(meta["train_rng"]), self._replicated)
+        self._eval_rng = jax.device_put(key_from_json(meta["eval_rng"]), self._replicated)
+        self._best = dict(meta.get("best", {}))
+        return meta
+
     def fit(self, train_examples, per_device_batch_size, n_epochs, eval_examples=None,
             eval_per_device_batch_size=None, eval_loss=True, eval_predictor=None,
-            eval_metric_fn=None, save_last_ckpt=False, save_argmin_ckpt_by_metrics=None,
-            save_argmax_ckpt_by_metrics=None, log_every_n_steps=10, shuffle=True):
-        """Train for ``n_epochs``, evaluating (and saving, if asked) after each epoch.
+            eval_metric_fn=None, save_every_n_steps=None, save_every_k_epochs=None,
+            save_last_ckpt=False, save_argmin_ckpt_by_metrics=None,
+            save_argmax_ckpt_by_metrics=None, keep_last_n_ckpts=None, resume=True,
+            log_every_n_steps=10, shuffle=True):
+        """Train for ``n_epochs``, evaluating after each epoch, saving and resuming as asked.
 
         ``eval_metric_fn(eval_examples, predictions) -> dict`` scores ``eval_predictor``'s
-        predictions; ``save_argmin/argmax_ckpt_by_metrics`` name eval results ('loss' or keys
-        of that dict) whose best value so far is kept as a checkpoint under ``workdir/ckpts``.
+        predictions. Checkpoints go to ``workdir/checkpoints``: ``steps/`` every
+        ``save_every_n_steps`` updates, every ``save_every_k_epochs`` epochs, at the end
+        (``save_last_ckpt``) and on SIGTERM/SIGINT; ``best_min_<name>/`` and ``best_max_<name>/``
+        keep the best by an eval result ('loss' or a key of ``eval_metric_fn``'s dict). With
+        ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
+        exactly as if it had never stopped.
         """
         save_min = list(save_argmin_ckpt_by_metrics or [])
         save_max = list(save_argmax_ckpt_by_metrics or [])
-        if (save_last_ckpt or save_min or save_max) and self.deployer.workdir is None:
+        wants_saving = bool(save_every_n_steps or save_every_k_epochs or save_last_ckpt
+                            or save_min or save_max)
+        workdir = self.deployer.workdir
+        if wants_saving and workdir is None:
             raise ConfigError("Saving checkpoints needs a workdir. Fix: pass workdir=... to Deployer.")
         eval_bs = eval_per_device_batch_size or per_device_batch_size
-        for epoch in range(n_epochs):
-            self.train(train_examples, per_device_batch_size, epoch=epoch, shuffle=shuffle,
-                       desc=f"epoch {epoch + 1}/{n_epochs}", log_every_n_steps=log_every_n_steps)
-            results = {}
-            if eval_examples is not None:
-                if eval_loss:
-                    results.update(self._evaluate(eval_examples, eval_bs))
-                if eval_predictor is not None:
-                    preds = eval_predictor.predict(eval_examples, eval_bs, params=self.params)
-                    if eval_metric_fn is not None:
-                        results.update(eval_metric_fn(eval_examples, preds))
-            if results:
-                shown = ", ".join(f"{k} = {v:.4f}" if isinstance(v, float) else f"{k} = {v}"
-                                  for k, v in results.items())
-                self.deployer.log_info(f"epoch {epoch + 1}/{n_epochs}: eval {shown}")
-                self.deployer.log_metrics({f"eval_{k}": v for k, v in results.items()}, self._host_step)
-            self._save_checkpoints(results, epoch, save_last_ckpt, save_min, save_max)
+        n_steps = self.updates_per_epoch(len(train_examples), per_device_batch_size)
+        config = {"jax_seed": self.deployer.jax_seed, "n_model_shards": self.deployer.n_model_shards,
+                  "n_data_shards": self.deployer.n_data_shards, "n_processes": jax.process_count(),
+                  "global_batch_size": self.deployer.global_batch_size(per_device_batch_size),
+                  "accumulate_grad_batches": self.accumulate_grad_batches,
+                  "train_size": len(train_examples), "n_epochs": n_epochs, "shuffle": shuffle,
+                  "compute_dtype": str(jnp.dtype(self.compute_dtype))}
+        store = None
+        if workdir is not None and (wants_saving or resume):
+            store = CheckpointStore(os.path.join(workdir, "checkpoints", "steps"),
+                                    keep_last_n=keep_last_n_ckpts, logger=self.deployer.logger)
+        start_epoch, start_position = 0, 0
+        if resume and store is not None and store.steps():
+            meta = self.restore_checkpoint(store)
+            if meta is not None:
+                start_epoch, start_position = meta["epoch"], meta["position"]
+                self._warn_if_config_changed(meta.get("config", {}), config)
+                self.deployer.log_info(
+                    f"resumed from {store.directory}/{meta['step']}: step {meta['step']}, epoch "
+                    f"{start_epoch + 1}, {start_position}/{n_steps} updates into it")
 
-    def _save_checkpoints(self, results, epoch, save_last, save_min, save_max):
-        ckpt_dir = os.path.join(self.deployer.workdir or "", "ckpts")
+        def save(epoch, position):
+            if store is not None:
+                self.save_checkpoint(store, epoch, position, config)
+
+        try:
+            self._run_epochs(train_examples, per_device_batch_size, n_epochs, n_steps, shuffle,
+                             log_every_n_steps, start_epoch, start_position, save,
+                             save_every_n_steps, save_every_k_epochs, save_last_ckpt, store,
+                             (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn),
+                             save_min, save_max, workdir, config)
+        finally:  # whatever happened, finish writing the checkpoints already started
+            if store is not None:
+                store.close()
+
+    def _run_epochs(self, train_examples, per_device_batch_size, n_epochs, n_steps, shuffle,
+                    log_every_n_steps, start_epoch, start_position, save, save_every_n_steps,
+                    save_every_k_epochs, save_last_ckpt, store, evaluation, save_min, save_max,
+                    workdir, config):
+        multi_process = jax.process_count() > 1
+        with PreemptionGuard() as guard:
+            def after_step(position):
+                if save_every_n_steps and self._host_step % save_every_n_steps == 0:
+                    save(epoch, position)
+                # one process alone may get the signal: agree at the logging interval
+                check = (position % log_every_n_steps == 0 or position == n_steps) if multi_process else True
+                return check and guard.requested_anywhere()
+
+            for epoch in range(start_epoch, n_epochs):
+                position = start_position if epoch == start_epoch else 0
+                if position < n_steps:
+                    position = self.train(train_examples, per_device_batch_size, epoch=epoch,
+                                          shuffle=shuffle, desc=f"epoch {epoch + 1}/{n_epochs}",
+                                          log_every_n_steps=log_every_n_steps,
+                                          start_position=position, after_step=after_step)
+                if position < n_steps:  # stopped by a signal
+                    self._stop_for_preemption(store, guard, epoch, position, config)
+                results = self._evaluate_epoch(*evaluation, epoch, n_epochs)
+                self._save_best(results, epoch, save_min, save_max, workdir, config)
+                if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:
+                    save(epoch + 1, 0)
+                if guard.requested_anywhere():
+                    self._stop_for_preemption(store, guard, epoch + 1, 0, config)
+            if save_last_ckpt:
+                save(n_epochs, 0)
+
+    def _stop_for_preemption(self, store, guard, epoch, position, config):
+        if store is not None:
+            self.save_checkpoint(store, epoch, position, config)
+            store.wait()
+            where = f"saved a checkpoint at step {self._host_step} in {store.directory}"
+        else:
+            where = "no workdir, so nothing was saved"
+        self.deployer.log_info(f"stopped by {guard.signal_name or 'a signal on another process'}: "
+                               f"{where}. Run the same command again to continue.")
+        raise SystemExit(0)
+
+    def _evaluate_epoch(self, eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn,
+                        epoch, n_epochs):
+        results = {}
+        if eval_examples is None:
+            return results
+        if eval_loss:
+            results.update(self._evaluate(eval_examples, eval_bs))
+        if eval_predictor is not None:
+            preds = eval_predictor.predict(eval_examples, eval_bs, params=self.params)
+            if eval_metric_fn is not None:
+                results.update(eval_metric_fn(eval_examples, preds))
+        if results:
+            shown = ", ".join(f"{k} = {v:.4f}" if isinstance(v, float) else f"{k} = {v}"
+                              for k, v in results.items())
+            self.deployer.log_info(f"epoch {epoch + 1}/{n_epochs}: eval {shown}")
+            self.deployer.log_metrics({f"eval_{k}": v for k, v in results.items()}, self._host_step)
+        return results
+
+    def _save_best(self, results, epoch, save_min, save_max, workdir, config):
         for name, better in [(m, min) for m in save_min] + [(m, max) for m in save_max]:
             if name not in results:
                 raise ConfigError(f"Cannot keep the best checkpoint by '{name}': the evaluation "
                                   f"gave {sorted(results)}. Fix: name one of those.")
             value = float(results[name])
-            tag = f"{better.__name__}_{name}"
-            if not math.isnan(value) and (tag not in self._best or better(value, self._best[tag]) == value
-                                          and value != self._best[tag]):
-                self._best[tag] = value
-                self.save_params(os.path.join(ckpt_dir, tag, "params.safetensors"))
-                self.deployer.log_info(f"saved best checkpoint by {name} = {value:.4f} (epoch {epoch + 1})")
-        if save_last:
-            self.save_params(os.path.join(ckpt_dir, "last", "params.safetensors"))
+            tag = f"best_{better.__name__}_{name}"
+            if math.isnan(value) or (tag in self._best and better(value, self._best[tag]) == self._best[tag]):
+                continue
+            self._best[tag] = value
+            best_store = CheckpointStore(os.path.join(workdir, "checkpoints", tag), keep_last_n=1,
+                                         logger=self.deployer.logger)
+            self.save_checkpoint(best_store, epoch + 1, 0, config)
+            best_store.close()
+            self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
+                                   f"(epoch {epoch + 1}) in {best_store.directory}")
+
+    def _warn_if_config_changed(self, saved, current):
+        changed = [k for k in ("jax_seed", "global_batch_size", "accumulate_grad_batches",
+                               "train_size", "shuffle") if k in saved and saved[k] != current[k]]
+        if changed:
+            self.deployer.log_warning(
+                "resuming with a different " + ", ".join(f"{k} ({saved[k]} -> {current[k]})" for k in changed)
+                + ": the data order changes, so the run will not repeat the interrupted one.")
+
+
+def _nonfinite_message(step, value):
+    return (f"The training loss became {value} at step {step} (counting from 0), so training "
+            "stopped and no checkpoint was written after it; the last checkpoint on disk, if any, "
+            "is from before it. Fix: lower the learning rate, add warmup or gradient clipping "
+            "(optax.clip_by_global_norm), or check that step's batch for bad values.")
 
 
 def _describe_nonfinite(history):

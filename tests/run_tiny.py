@@ -5,7 +5,7 @@ import numpy as np
 import optax
 
 from redcoast import Trainer
-from redcoast.checkpoint import flat_tensors
+from redcoast.export import flat_tensors
 from tiny_lm import collate_fn, loss_fn, make_examples, make_model
 
 

@@ -1,5 +1,7 @@
 """Training on 8 simulated devices equals training on one, whatever the sharding."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,7 +168,6 @@ def test_metrics_and_logs_are_written(tmp_path):
     assert any("eval_loss" in r for r in records)
     assert "Sharding plan" in (tmp_path / "log.txt").read_text()
     assert list((tmp_path / "tensorboard").iterdir())
-    from safetensors.numpy import load_file
-    saved = load_file(str(tmp_path / "ckpts" / "last" / "params.safetensors"))
-    np.testing.assert_array_equal(saved["head.kernel"], np.asarray(trainer.params["head"]["kernel"]))
-    assert (tmp_path / "ckpts" / "min_loss" / "params.safetensors").exists()
+    steps = [s for s in os.listdir(tmp_path / "checkpoints" / "steps") if s.isdigit()]
+    assert steps == ["8"]
+    assert os.listdir(tmp_path / "checkpoints" / "best_min_loss") == ["8"]

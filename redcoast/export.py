@@ -1,0 +1,59 @@
+"""Exporting parameters as plain safetensors files (a flat dict of tensor name to array).
+
+The files are readable with the ``safetensors`` package alone, without redcoast. Writes are
+atomic: the file appears under its name only once complete.
+"""
+
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from .sharding.paths import leaves_with_paths, path_to_tuple
+
+SEPARATOR = "."
+
+
+def flat_tensors(params):
+    """``{'params.Dense_0.kernel': np.ndarray, ...}`` gathered from every process's shards."""
+    out = {}
+    for path, leaf in leaves_with_paths(params):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        out[SEPARATOR.join(path)] = np.ascontiguousarray(np.asarray(leaf))
+    return out
+
+
+def save_params(params, path):
+    """Write ``params`` to ``path`` (safetensors) from process 0, atomically."""
+    from safetensors.numpy import save_file
+
+    tensors = flat_tensors(params)  # every process takes part in the gather
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    multihost_utils.sync_global_devices(f"redcoast.save_params:{path}")
+
+
+def load_params(path, like):
+    """Read a safetensors file written by :func:`save_params` into the structure of ``like``."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(path)
+    expected = {SEPARATOR.join(p): np.shape(leaf) for p, leaf in leaves_with_paths(like)}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(tensors) if tuple(expected[k]) != tensors[k].shape)
+    if missing or unexpected or wrong:
+        lines = [f"missing: {k} {expected[k]}" for k in missing[:10]]
+        lines += [f"unexpected: {k} {tensors[k].shape}" for k in unexpected[:10]]
+        lines += [f"shape: {k} is {tensors[k].shape} in the file, {tuple(expected[k])} in the model"
+                  for k in wrong[:10]]
+        raise ValueError(f"{path} holds parameters of another model:\n  " + "\n  ".join(lines) +
+                         "\nFix: load it into the model it was saved from.")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree_util.tree_unflatten(
+        treedef, [tensors[SEPARATOR.join(path_to_tuple(kp))] for kp, _ in flat])

@@ -1,0 +1,181 @@
+"""Checkpoints: exact resume after kills and signals, restore onto other meshes, damage, export."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import optax
+import pytest
+
+from redcoast import ConfigError, Deployer, Trainer
+from redcoast.checkpoint import CheckpointStore
+from tiny_lm import TinyLM, collate_fn, loss_fn, make_examples, make_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "ckpt_worker.py")
+
+
+def worker(workdir, out, slow=0.0):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, WORKER, str(workdir), str(out), str(slow)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(workdir, out):
+    p = worker(workdir, out)
+    log, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, log[-3000:]
+    return dict(np.load(out)), log
+
+
+def assert_bitwise_equal(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("uninterrupted")
+    params, _ = finish(d / "workdir", d / "final.npz")
+    return params
+
+
+def saving_in_progress(workdir):
+    steps = os.path.join(workdir, "checkpoints", "steps")
+    return os.path.isdir(steps) and any("tmp" in name for name in os.listdir(steps))
+
+
+def kill_and_resume(tmp_path, uninterrupted, rng, inside_save):
+    workdir, out = tmp_path / "workdir", tmp_path / "final.npz"
+    p = worker(workdir, out)
+    deadline = time.time() + (120 if inside_save else rng.uniform(3.0, 12.0))
+    while time.time() < deadline and p.poll() is None:
+        if inside_save and saving_in_progress(workdir):
+            break
+        time.sleep(0.002)
+    p.kill()
+    p.wait()
+    params, log = finish(workdir, out)
+    assert_bitwise_equal(params, uninterrupted)
+    return log
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
+    rng = random.Random(0)
+    kill_and_resume(tmp_path / "a", uninterrupted, rng, inside_save=True)
+    kill_and_resume(tmp_path / "b", uninterrupted, rng, inside_save=False)
+
+
+@pytest.mark.slow
+def test_ten_random_sigkills(tmp_path, uninterrupted):
+    rng = random.Random(1)
+    for trial in range(10):
+        kill_and_resume(tmp_path / f"trial{trial}", uninterrupted, rng, inside_save=trial % 2 == 0)
+
+
+def test_sigterm_saves_exits_zero_and_resumes(tmp_path, uninterrupted):
+    workdir, out = tmp_path / "workdir", tmp_path / "final.npz"
+    p = worker(workdir, out, slow=0.3)  # about 0.3 s per update
+    first = os.path.join(workdir, "checkpoints", "steps", "2")
+    deadline = time.time() + 120
+    while not os.path.isdir(first) and time.time() < deadline:
+        time.sleep(0.05)
+    sent = time.time()
+    p.send_signal(signal.SIGTERM)
+    log, _ = p.communicate(timeout=60)
+    elapsed = time.time() - sent
+    assert p.returncode == 0, log[-3000:]
+    assert elapsed < 10, elapsed  # one step (~0.3 s) plus a small save
+    assert "SIGTERM received" in log
+    params, log = finish(workdir, out)
+    assert_bitwise_equal(params, uninterrupted)
+
+
+def trained_trainer(n_model_shards, workdir):
+    model, params = make_model()
+    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=str(workdir), verbose=False)
+    trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.adamw(1e-2))
+    return trainer
+
+
+def test_restore_onto_other_meshes(tmp_path):
+    saver = trained_trainer(2, tmp_path)
+    saver.fit(make_examples(32), 1, 1, save_last_ckpt=True)
+    saved = {k: np.asarray(v) for k, v in _flat(saver.state.opt_state).items()}
+    saved_params = {k: np.asarray(v) for k, v in _flat(saver.params).items()}
+    for n_model_shards in (4, 1):
+        restorer = trained_trainer(n_model_shards, tmp_path)
+        meta = restorer.restore_checkpoint(CheckpointStore(tmp_path / "checkpoints" / "steps"))
+        assert meta["step"] == saver.step == restorer.step
+        for k, v in _flat(restorer.params).items():
+            np.testing.assert_array_equal(np.asarray(v), saved_params[k])
+            assert v.sharding.mesh.shape["mp"] == n_model_shards
+        for k, v in _flat(restorer.state.opt_state).items():
+            np.testing.assert_array_equal(np.asarray(v), saved[k])
+
+
+def _flat(tree):
+    import jax
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capsys):
+    trainer = trained_trainer(2, tmp_path)
+    trainer.fit(make_examples(32), 1, 1, save_every_n_steps=3, keep_last_n_ckpts=3)  # 8 updates
+    steps_dir = tmp_path / "checkpoints" / "steps"
+    assert sorted(int(s) for s in os.listdir(steps_dir) if s.isdigit()) == [3, 6]
+    for root, _, files in os.walk(steps_dir / "6" / "state"):
+        for name in files:  # truncate every data file of the newest checkpoint
+            with open(os.path.join(root, name), "r+b") as f:
+                f.truncate(0)
+    restorer = trained_trainer(2, tmp_path)
+    restorer.deployer.logger.enabled = True
+    meta = restorer.restore_checkpoint(CheckpointStore(steps_dir, logger=None))
+    assert meta["step"] == 3
+    assert f"checkpoint {steps_dir / '6'} is damaged" in capsys.readouterr().out
+
+
+def test_checkpoint_of_another_model_names_the_differences(tmp_path):
+    trained_trainer(2, tmp_path).fit(make_examples(32), 1, 1, save_last_ckpt=True)
+    other = TinyLM(n_layers=1)
+    import jax
+    import jax.numpy as jnp
+    params = other.init(jax.random.PRNGKey(0), jnp.zeros((1, 12), jnp.int32))["params"]
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(tmp_path), verbose=False)
+    trainer = Trainer(deployer, collate_fn, other.apply, loss_fn, params, optax.adamw(1e-2))
+    with pytest.raises(ConfigError, match=r"(?s)holds another model.*in the checkpoint, not the "
+                                          r"model: params/block_1/LayerNorm_0/bias \(32,\)"):
+        trainer.fit(make_examples(32), 1, 1)
+
+
+def test_nan_checkpoints_are_never_written(tmp_path):
+    import jax.numpy as jnp
+    from redcoast import NonFiniteLossError
+
+    def nan_after_two(rng, state, params, batch, is_training):
+        loss, metrics = loss_fn(rng, state, params, batch, is_training)
+        return jnp.where(state.step >= 2, jnp.nan, loss), metrics
+
+    model, params = make_model()
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(tmp_path), verbose=False)
+    trainer = Trainer(deployer, collate_fn, model.apply, nan_after_two, params, optax.adamw(1e-2))
+    with pytest.raises(NonFiniteLossError, match="at step 2"):
+        trainer.fit(make_examples(32), 1, 1, save_every_n_steps=2, log_every_n_steps=100)
+    saved = os.listdir(tmp_path / "checkpoints" / "steps")
+    assert [s for s in saved if s.isdigit()] == ["2"]  # the state after 2 good updates only
+
+
+def test_export_params_is_plain_safetensors(tmp_path):
+    from safetensors.numpy import load_file
+    model, params = make_model()
+    deployer = Deployer(n_model_shards=2, verbose=False)
+    trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.adamw(1e-2))
+    deployer.export_params(trainer.params, str(tmp_path / "model.safetensors"))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    np.testing.assert_array_equal(tensors["block_1.fc_in.kernel"], params["block_1"]["fc_in"]["kernel"])
+    assert len(tensors) == len(__import__("jax").tree_util.tree_leaves(params))
