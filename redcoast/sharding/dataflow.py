@@ -1,0 +1,847 @@
+"""Tensor-parallel placement from the model's data flow (DESIGN.md §3).
+
+``dataflow_placements(fn, params, *example_args, n_model_shards)`` traces ``fn(params, *args)``
+with ``jax.make_jaxpr`` on abstract inputs (no FLOPs) and follows every value through the
+program, recursing into jit, remat, custom_jvp/vjp, scan, while and cond. Each value is one of
+
+* ``Rep``   replicated over the model shards (the residual stream, attention masks, constants),
+* ``Split`` split over the model shards along one axis (the inside of a Megatron block),
+* ``Par``   a parameter seen through layout ops only (transpose, reshape, cast, slice of a stack).
+
+The paper's two rules then fall out of the matmuls: a parameter multiplied with a replicated
+activation is column-parallel (its output axis is split: the heads of a 3-D kernel, the experts of
+a stacked MoE kernel, the vocabulary of an LM head); a parameter multiplied with an activation split
+on the contracting axis is row-parallel (that axis is split, the output is summed over the shards:
+the all-reduce). Splits flow through elementwise ops, reshapes that keep the split axis whole,
+transposes and per-head einsums; biases added to a split output follow it; a lookup into a
+parameter is an embedding (vocabulary split when it divides, else hidden).
+
+A split that cannot go on without communication — sliced (a fused QKV written as one (hidden,
+3*hidden) matrix), concatenated, reduced over the model width (a norm), added to the residual
+stream, fed to a matmul whose parameter cannot be split — is a *conflict*: the parameters that
+created it try their next candidate axis, or are replicated with the reason, and the trace is
+walked again until no conflict is left. Nothing depends on names, dict order or kernel layout.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+from .auto import model_width
+from .paths import leaves_in_written_order, leaves_with_paths
+from .rules import Placement
+
+MP = "mp"
+MAX_ROUNDS = 100
+_DEBUG = bool(__import__("os").environ.get("REDCOAST_DATAFLOW_DEBUG"))
+
+
+class DataflowError(Exception):
+    """The function could not be traced or analysed; callers fall back to structural rules."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rep:
+    """Replicated over model shards. ``vary``: axes along which it depends on the data (a
+    residual-stream-like value varies along its width; a one-hot along the vocabulary does not).
+    ``src``: (leaf, {axis: parameter axis}) when it is the output of a matmul with a replicated
+    parameter that could follow a split instead (a LoRA B matrix)."""
+    vary: frozenset = frozenset()
+    src: tuple = None
+    tainted: bool = False  # computed from the fallback of a conflict: decisions on it are tentative
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Split over model shards along ``axis``; ``origins``: the parameters whose choice made it."""
+    axis: int
+    origins: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
+class Par:
+    """A parameter leaf seen through layout ops; ``axes[i]`` is the parameter axis of axis i."""
+    leaf: int
+    axes: tuple
+
+
+CONST = Rep()
+
+
+def _all(ndim):
+    return frozenset(range(ndim))
+
+
+def _shape(v):
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _reshape_groups(a, b):
+    """Pairs (in axes, out axes) of equal element count, in order; size-1 axes join a group."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj, pi, pj = [], [], 1, 1
+        while True:
+            if pi == pj and (gi or gj) and (i >= len(a) or a[i] != 1) and (j >= len(b) or b[j] != 1):
+                break
+            if pi <= pj and i < len(a):
+                pi *= a[i]
+                gi.append(i)
+                i += 1
+            elif j < len(b):
+                pj *= b[j]
+                gj.append(j)
+                j += 1
+            elif i < len(a):
+                pi *= a[i]
+                gi.append(i)
+                i += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _major(axes, shape):
+    """The first axis of a group with size > 1 (the one whose split keeps blocks contiguous)."""
+    for x in axes:
+        if shape[x] > 1:
+            return x
+    return None
+
+
+class _Analysis:
+    def __init__(self, closed, n_params, leaf_shapes, n, width):
+        self.closed = closed
+        self.n_params = n_params
+        self.shapes = leaf_shapes
+        self.n = n
+        self.width = width
+        self.choice = {}       # leaf -> index of the candidate axis to try
+        self.final = {}        # leaf -> reason it is replicated (candidates exhausted)
+        self.wish = {}         # leaf -> parameter axis another split asks it to follow
+        self.candidates = {}   # leaf -> [parameter axes] tried as column splits
+        self.undivisible = {}  # leaf -> reason no candidate divided
+
+    # ---- one walk over the program -------------------------------------------------------
+    def run(self):
+        for _ in range(MAX_ROUNDS):
+            self.decided = {}   # leaf -> (axis, kind, detail)
+            self.blamed = {}    # leaf -> reason
+            self.new_wishes = {}
+            self.used = set()
+            self.follow_conflicts = {}
+            self.tentative = set()
+            self.tainted_now = self.taint_out = self.clean_out = False
+            ins = [Par(i, tuple(range(len(self.shapes[i])))) for i in range(self.n_params)]
+            ins += [Rep(_all(len(_shape(v)))) for v in self.closed.jaxpr.invars[self.n_params:]]
+            self.eval_closed(self.closed, ins)
+            if not self.blamed and not self.new_wishes:
+                return
+            # blames downstream of another conflict's fallback are not trusted this round
+            blamed = {k: v for k, v in self.blamed.items() if k not in self.tentative} or self.blamed
+            if _DEBUG:
+                print("round: blamed", blamed, "wishes", self.new_wishes)
+            for leaf, reason in blamed.items():
+                self.choice[leaf] = self.choice.get(leaf, 0) + 1
+                if self.choice[leaf] >= len(self.candidates.get(leaf, ())):
+                    self.final[leaf] = reason
+            self.wish.update(self.new_wishes)
+        raise DataflowError(f"no stable placement after {MAX_ROUNDS} rounds")
+
+    def conflict(self, origins, reason, taint=True):
+        """The split made by ``origins`` cannot go on. With ``taint``, the replicated value used
+        from here on is a stand-in (after the fix it may be split), so what is decided from it
+        is tentative; without, it is replicated in any placement (the residual stream)."""
+        for leaf in origins:
+            self.blamed.setdefault(leaf, reason)
+        if taint:
+            self.taint_out = True
+        else:
+            self.clean_out = True
+
+    def conflict_among(self, splits, reason, taint=True):
+        """A conflict between several splits: if some are already given up this round, that
+        explains it; otherwise all of them try again."""
+        given_up = [s for s in splits if s.origins & set(self.blamed)]
+        for s in given_up or splits:
+            self.conflict(s.origins, reason, taint)
+
+    def _tainted(self, s):
+        if isinstance(s, Rep):
+            return s.tainted
+        if isinstance(s, Split):
+            return bool(s.origins & self.tentative)
+        return False
+
+    def decide(self, leaf, axis, kind, detail=""):
+        """Record a split of ``leaf`` on ``axis``; False if it contradicts an earlier one."""
+        if leaf in self.final:
+            return False
+        if leaf in self.decided:
+            if self.decided[leaf][0] == axis:
+                return True
+            if kind == "follow":
+                self.follow_conflicts[leaf] = "asked to follow two different splits"
+                return False
+            self.blamed.setdefault(leaf, f"used with two different splits (axes {self.decided[leaf][0]} and {axis})")
+            self.candidates.setdefault(leaf, [])
+            return False
+        self.decided[leaf] = (axis, kind, detail)
+        if self.tainted_now:
+            self.tentative.add(leaf)
+        return True
+
+    def is_split(self, leaf):
+        return leaf in self.decided and leaf not in self.final
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def eval_closed(self, closed, ins):
+        jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+        env = {}
+        for v in jaxpr.constvars:
+            env[v] = CONST
+        for v, s in zip(jaxpr.invars, ins):
+            env[v] = s
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return CONST
+            return env.get(v, CONST)
+
+        for eqn in jaxpr.eqns:
+            states = [read(v) for v in eqn.invars]
+            outs = self.eval_eqn(eqn, states)
+            for v, s in zip(eqn.outvars, outs):
+                env[v] = s
+        return [read(v) for v in jaxpr.outvars]
+
+    def eval_eqn(self, eqn, ins):
+        name = eqn.primitive.name
+        if name in ("scan", "while", "cond"):
+            return getattr(self, "op_" + name)(eqn, ins)
+        handler = getattr(self, "op_" + name.replace("-", "_"), None)
+        if handler is not None:
+            self.tainted_now = any(self._tainted(s) for s in ins)
+            self.taint_out = self.clean_out = False
+            outs = handler(eqn, ins)
+            if (self.tainted_now or self.taint_out) and not self.clean_out:
+                outs = [dataclasses.replace(o, tainted=True) if isinstance(o, Rep) else o for o in outs]
+            return outs
+        sub = None
+        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            if key in eqn.params and eqn.params[key] is not None:
+                sub = eqn.params[key]
+                break
+        if sub is not None and not callable(sub):
+            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+                return self.eval_closed(sub, ins)
+        handler = self.elementwise_op if len(eqn.outvars) == 1 and self._elementwise(eqn) else self.unknown_op
+        self.tainted_now = any(self._tainted(s) for s in ins)
+        self.taint_out = self.clean_out = False
+        outs = handler(eqn, ins)
+        if (self.tainted_now or self.taint_out) and not self.clean_out:
+            outs = [dataclasses.replace(o, tainted=True) if isinstance(o, Rep) else o for o in outs]
+        return outs
+
+    def elementwise_op(self, eqn, ins):
+        return [self.elementwise(eqn, ins)]
+
+    def unknown_op(self, eqn, ins):
+        return self.unknown(eqn, ins, f"'{eqn.primitive.name}'")
+
+    @staticmethod
+    def _elementwise(eqn):
+        out = _shape(eqn.outvars[0])
+        return all(_shape(v) == () or (len(_shape(v)) == len(out) and all(
+            a in (b, 1) for a, b in zip(_shape(v), out))) for v in eqn.invars)
+
+    def unknown(self, eqn, ins, what):
+        """An op redcoast does not model: a split entering it is a conflict; outputs replicated."""
+        for s in ins:
+            if isinstance(s, Split):
+                self.conflict(s.origins, f"its split output reaches {what}, which would need communication")
+        data = any(isinstance(s, (Split,)) or (isinstance(s, Rep) and s.vary) for s in ins)
+        return [Rep(_all(len(_shape(v))) if data else frozenset()) for v in eqn.outvars]
+
+    def elementwise(self, eqn, ins):
+        out = _shape(eqn.outvars[0])
+        nd = len(out)
+        full = []
+        for v, s in zip(eqn.invars, ins):
+            shp = _shape(v)
+            if len(shp) != nd and nd:
+                continue  # a scalar
+            bcast = {i for i in range(nd) if shp[i] != out[i]}  # size-1 axes broadcast here
+            if bcast and isinstance(s, Rep):
+                s = Rep(s.vary - bcast, None if s.src else None)
+            elif bcast and isinstance(s, Par):
+                s = Par(s.leaf, tuple(None if i in bcast else a for i, a in enumerate(s.axes)))
+            full.append((v, s))
+        splits = [s for _, s in full if isinstance(s, Split)]
+        pars = [s for _, s in full if isinstance(s, Par)]
+        reps = [s for _, s in full if isinstance(s, Rep)]
+        if not splits:
+            if pars and all(not r.vary for r in reps):
+                return pars[0] if len(pars) == 1 else CONST
+            vary = frozenset().union(*(r.vary for r in reps)) if reps else frozenset()
+            srcs = [r.src for r in reps if r.src is not None]
+            data = [r for r in reps if r.vary]
+            src = srcs[0] if len(srcs) == 1 and len(data) == 1 else None
+            return Rep(vary, src)
+        axes = {s.axis for s in splits}
+        origins = frozenset().union(*(s.origins for s in splits))
+        if len(axes) > 1:
+            self.conflict_among(splits, "two operands split on different axes meet")
+            return Rep(_all(nd))
+        a = axes.pop()
+        for r in reps:
+            if a in r.vary:
+                if not self.residual_meet(r, a, origins):
+                    self.conflict(origins, "its split output is added to a replicated activation "
+                                           "(the residual stream), which would need an all-gather",
+                                  taint=False)
+                    return Rep(_all(nd))
+        for p in pars:
+            pa = p.axes[a]
+            if pa is not None:
+                self.decide(p.leaf, pa, "follow", f"added to a split output")
+        return Split(a, origins)
+
+    def _bytes(self, leaves):
+        return sum(int(np.prod(self.shapes[i])) for i in leaves)
+
+    def residual_meet(self, rep, axis, origins):
+        """A split meets a replicated matmul output: ask that matmul's parameter to follow the
+        split instead, when that replicates fewer parameter bytes than giving up the split
+        (a LoRA B next to its base: yes; the residual stream: there is no such parameter)."""
+        if rep.src is None or self.tainted_now:
+            return False
+        leaf, axmap, upstream = rep.src
+        pa = axmap.get(axis)
+        if pa is None or leaf in self.final or self.shapes[leaf][pa] % self.n:
+            return False
+        if leaf in origins or self._bytes(upstream) >= self._bytes(origins):
+            return False
+        if leaf in self.wish:  # asked before: still under way unless it asked for another axis
+            return self.wish[leaf] == pa
+        self.new_wishes[leaf] = pa
+        return True
+
+    # ---- layout ops --------------------------------------------------------------------------
+    def op_transpose(self, eqn, ins):
+        (s,) = ins
+        perm = eqn.params["permutation"]
+        if isinstance(s, Split):
+            return [Split(list(perm).index(s.axis), s.origins)]
+        if isinstance(s, Par):
+            return [Par(s.leaf, tuple(s.axes[p] for p in perm))]
+        src = None
+        if s.src is not None:
+            src = (s.src[0], {list(perm).index(k): v for k, v in s.src[1].items()}, s.src[2])
+        return [Rep(frozenset(list(perm).index(a) for a in s.vary), src)]
+
+    def op_reshape(self, eqn, ins):
+        (s,) = ins[:1]
+        a_shape, b_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+        groups = _reshape_groups(a_shape, b_shape)
+        if isinstance(s, Split):
+            for gi, gj in groups:
+                if s.axis in gi:
+                    if _major(gi, a_shape) == s.axis:
+                        o = _major(gj, b_shape)
+                        if o is not None and b_shape[o] % self.n == 0:
+                            return [Split(o, s.origins)]
+                    self.conflict(s.origins, f"a reshape {a_shape} -> {b_shape} breaks its split axis "
+                                             "(e.g. a fused Q/K/V written as one matrix)")
+                    return [Rep(_all(len(b_shape)))]
+        if isinstance(s, Par):
+            axes = [None] * len(b_shape)
+            for gi, gj in groups:
+                i, j = _major(gi, a_shape), _major(gj, b_shape)
+                if i is not None and j is not None:
+                    axes[j] = s.axes[i]
+            return [Par(s.leaf, tuple(axes))]
+        vary = set()
+        for gi, gj in groups:
+            if any(x in s.vary for x in gi):
+                vary |= {j for j in gj if b_shape[j] > 1}
+        return [Rep(frozenset(vary))]
+
+    def op_squeeze(self, eqn, ins):
+        (s,) = ins
+        dims = set(d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
+        keep = [i for i in range(len(_shape(eqn.invars[0]))) if i not in dims]
+        if isinstance(s, Split):
+            return [Split(keep.index(s.axis), s.origins)]
+        if isinstance(s, Par):
+            return [Par(s.leaf, tuple(s.axes[i] for i in keep))]
+        return [Rep(frozenset(keep.index(a) for a in s.vary if a in keep))]
+
+    def op_expand_dims(self, eqn, ins):
+        return self.op_reshape(eqn, ins)
+
+    def op_broadcast_in_dim(self, eqn, ins):
+        s = ins[0]
+        a_shape, b_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+        bd = eqn.params["broadcast_dimensions"]
+        same = [a_shape[i] == b_shape[bd[i]] for i in range(len(a_shape))]
+        if isinstance(s, Split):
+            return [Split(bd[s.axis], s.origins)]
+        if isinstance(s, Par):
+            axes = [None] * len(b_shape)
+            for i, d in enumerate(bd):
+                if same[i]:
+                    axes[d] = s.axes[i]
+            return [Par(s.leaf, tuple(axes))]
+        return [Rep(frozenset(bd[i] for i in s.vary if same[i] and b_shape[bd[i]] > 1))]
+
+    def _slice_like(self, eqn, s, full):
+        """A slice that keeps axes where ``full[i]``; a split on a cut axis is a conflict."""
+        nd = len(full)
+        if isinstance(s, Split):
+            if full[s.axis]:
+                return Split(s.axis, s.origins)
+            self.conflict(s.origins, f"its split output is sliced along the split axis "
+                                     f"({eqn.primitive.name}), e.g. Q, K, V cut out of one fused output")
+            return Rep(_all(nd))
+        if isinstance(s, Par):
+            return Par(s.leaf, tuple(p if full[i] else None for i, p in enumerate(s.axes)))
+        return Rep(s.vary)
+
+    def op_slice(self, eqn, ins):
+        shp = _shape(eqn.invars[0])
+        lo, hi, st = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+        full = [lo[i] == 0 and hi[i] == shp[i] and (st is None or st[i] == 1) for i in range(len(shp))]
+        return [self._slice_like(eqn, ins[0], full)]
+
+    def op_dynamic_slice(self, eqn, ins):
+        shp = _shape(eqn.invars[0])
+        sizes = eqn.params["slice_sizes"]
+        return [self._slice_like(eqn, ins[0], [sizes[i] == shp[i] for i in range(len(shp))])]
+
+    def op_split(self, eqn, ins):
+        shp = _shape(eqn.invars[0])
+        axis = eqn.params["axis"] % len(shp)
+        full = [i != axis for i in range(len(shp))]
+        return [self._slice_like(eqn, ins[0], full) for _ in eqn.outvars]
+
+    def op_rev(self, eqn, ins):
+        dims = eqn.params["dimensions"]
+        return [self._slice_like(eqn, ins[0], [i not in dims for i in range(len(_shape(eqn.invars[0])))])]
+
+    def op_pad(self, eqn, ins):
+        cfg = eqn.params["padding_config"]
+        s = self._slice_like(eqn, ins[0], [tuple(c) == (0, 0, 0) for c in cfg])
+        if isinstance(s, Par):
+            s = CONST
+        return [s]
+
+    def op_concatenate(self, eqn, ins):
+        d = eqn.params["dimension"]
+        nd = len(_shape(eqn.outvars[0]))
+        splits = [s for s in ins if isinstance(s, Split)]
+        if splits:
+            origins = frozenset().union(*(s.origins for s in splits))
+            axes = {s.axis for s in splits}
+            if len(axes) > 1 or d in axes or len(splits) != len(ins):
+                self.conflict(origins, "its split output is concatenated with others")
+                return [Rep(_all(nd))]
+            return [Split(axes.pop(), origins)]
+        vary = frozenset().union(*(s.vary for s in ins if isinstance(s, Rep)))
+        if any(isinstance(s, Par) for s in ins):
+            vary = vary  # a concatenation of parameters is used as a replicated constant
+        return [Rep(vary | ({d} if vary else frozenset()))]
+
+    def op_dynamic_update_slice(self, eqn, ins):
+        op, upd = ins[0], ins[1]
+        nd = len(_shape(eqn.outvars[0]))
+        if isinstance(op, Split) or isinstance(upd, Split):
+            a = op.axis if isinstance(op, Split) else upd.axis
+            full = _shape(eqn.invars[0])[a] == _shape(eqn.invars[1])[a]
+            if isinstance(op, Split) and isinstance(upd, Split) and op.axis == upd.axis and full:
+                return [Split(a, op.origins | upd.origins)]
+            origins = frozenset().union(*(s.origins for s in (op, upd) if isinstance(s, Split)))
+            self.conflict(origins, "its split output is written into a replicated buffer")
+            return [Rep(_all(nd))]
+        vary = frozenset().union(*(s.vary for s in (op, upd) if isinstance(s, Rep)))
+        return [Rep(_all(nd) if vary else frozenset())]
+
+    def op_iota(self, eqn, ins):
+        return [CONST]
+
+    # ---- reductions ----------------------------------------------------------------------------
+    def _reduce(self, eqn, s, axes, what):
+        nd_in = len(_shape(eqn.invars[0]))
+        keep = [i for i in range(nd_in) if i not in axes]
+        if isinstance(s, Split):
+            if s.axis in axes:
+                size = _shape(eqn.invars[0])[s.axis]
+                if size == self.width:
+                    self.conflict(s.origins, f"it is reduced over the model width ({what}, e.g. a norm)",
+                                  taint=False)
+                return Rep(_all(len(keep)))
+            return Split(keep.index(s.axis), s.origins)
+        if isinstance(s, Par):
+            return CONST
+        return Rep(frozenset(keep.index(a) for a in s.vary if a in keep))
+
+    def _reduce_op(self, eqn, ins):
+        axes = tuple(a % len(_shape(eqn.invars[0])) for a in eqn.params["axes"])
+        return [self._reduce(eqn, ins[0], axes, eqn.primitive.name)]
+
+    op_reduce_sum = op_reduce_max = op_reduce_min = op_reduce_prod = _reduce_op
+    op_reduce_and = op_reduce_or = op_reduce_xor = op_argmax = op_argmin = _reduce_op
+
+    def _cumulative(self, eqn, ins):
+        axis = eqn.params["axis"]
+        return [self._slice_like(eqn, ins[0], [i != axis for i in range(len(_shape(eqn.invars[0])))])]
+
+    op_cumsum = op_cumprod = op_cummax = op_cummin = op_cumlogsumexp = _cumulative
+
+    def op_sort(self, eqn, ins):
+        dim = eqn.params["dimension"]
+        full = [i != dim for i in range(len(_shape(eqn.invars[0])))]
+        return [self._slice_like(eqn, s, full) for s in ins]
+
+    def op_top_k(self, eqn, ins):
+        nd = len(_shape(eqn.invars[0]))
+        out = self._slice_like(eqn, ins[0], [i != nd - 1 for i in range(nd)])
+        return [out, out if isinstance(out, Split) else Rep(out.vary if isinstance(out, Rep) else frozenset())]
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def op_gather(self, eqn, ins):
+        op, idx = ins[0], ins[1]
+        dn = eqn.params["dimension_numbers"]
+        op_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+        nd = len(out_shape)
+        slice_sizes = eqn.params["slice_sizes"]
+        collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
+        offset_src = [i for i in range(len(op_shape)) if i not in collapsed]
+        offset_map = dict(zip(offset_src, dn.offset_dims))  # operand axis -> output axis
+        if isinstance(idx, Split):
+            self.conflict(idx.origins, "it is used as gather indices")
+            idx = Rep(_all(len(_shape(eqn.invars[1]))))
+        data = bool(idx.vary) if isinstance(idx, Rep) else False
+        if isinstance(op, Par):
+            indexed = [a for a in dn.start_index_map]
+            if not data:  # a constant index: a layer of a stacked parameter, a position table
+                axes = [None] * nd
+                for a, o in offset_map.items():
+                    if slice_sizes[a] == op_shape[a]:
+                        axes[o] = op.axes[a]
+                return [Par(op.leaf, tuple(axes))]
+            self.embedding(op, indexed, offset_map, op_shape, slice_sizes)
+            return [Rep(_all(nd))]
+        if isinstance(op, Split):
+            a = op.axis
+            if a in offset_map and slice_sizes[a] == op_shape[a]:
+                return [Split(offset_map[a], op.origins)]
+            if a in dn.start_index_map or a in dn.collapsed_slice_dims:
+                return [Rep(_all(nd))]  # a pick along the split axis: XLA masks and all-reduces
+            self.conflict(op.origins, "it is gathered along its split axis")
+            return [Rep(_all(nd))]
+        return [Rep(_all(nd) if (op.vary or data) else frozenset())]
+
+    def embedding(self, op, indexed, offset_map, op_shape, slice_sizes):
+        """A parameter looked up by data-dependent indices: split the vocabulary, else hidden."""
+        n = self.n
+        leaf = op.leaf
+        if leaf in self.final:
+            return
+        cands = [op.axes[a] for a in indexed if op.axes[a] is not None and op_shape[a] % n == 0]
+        kind = "embedding-vocab"
+        if not cands:
+            cands = [op.axes[a] for a in offset_map if op.axes[a] is not None
+                     and slice_sizes[a] == op_shape[a] and op_shape[a] % n == 0]
+            kind = "embedding-hidden"
+        if not cands:
+            self.undivisible[leaf] = (f"embedding dimensions {tuple(op_shape)} are not divisible by {n}")
+            return
+        if leaf in self.decided and self.decided[leaf][0] in cands:
+            return
+        self.candidates.setdefault(leaf, cands)
+        i = self.choice.get(leaf, 0)
+        if i < len(cands):
+            self.decide(leaf, cands[i], kind)
+
+    def op_scatter_add(self, eqn, ins):
+        return self.unknown(eqn, ins, "a scatter")
+
+    op_scatter = op_scatter_mul = op_scatter_min = op_scatter_max = op_scatter_add
+
+    # ---- matmuls -------------------------------------------------------------------------------
+    def op_dot_general(self, eqn, ins):
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+        shapes = [_shape(eqn.invars[0]), _shape(eqn.invars[1])]
+        out_nd = len(_shape(eqn.outvars[0]))
+        contract, batch = (lc, rc), (lb, rb)
+        free = [[i for i in range(len(shapes[k])) if i not in contract[k] and i not in batch[k]]
+                for k in (0, 1)]
+
+        def out_axis(k, axis):
+            if axis in batch[k]:
+                return batch[k].index(axis)
+            base = len(lb) + (0 if k == 0 else len(free[0]))
+            return base + free[k].index(axis)
+
+        def role(k, axis):
+            if axis in contract[k]:
+                return "contract", contract[k].index(axis)
+            if axis in batch[k]:
+                return "batch", batch[k].index(axis)
+            return "free", None
+
+        l, r = ins
+        if isinstance(l, Par) and isinstance(r, Par):
+            return [CONST]
+        if isinstance(l, Par) or isinstance(r, Par):
+            w = 0 if isinstance(l, Par) else 1
+            return [self.param_matmul(eqn, ins[w], ins[1 - w], w, shapes, contract, batch, free,
+                                      out_axis, role, out_nd)]
+        # activation x activation (attention scores, per-head values, expert combine)
+        splits = [(k, s) for k, s in enumerate(ins) if isinstance(s, Split)]
+        if not splits:
+            vary = any(s.vary for s in ins)
+            return [Rep(_all(out_nd) if vary else frozenset())]
+        origins = frozenset().union(*(s.origins for _, s in splits))
+        roles = [(k, role(k, s.axis)) for k, s in splits]
+        if len(splits) == 2:
+            (_, ra), (_, rb2) = roles
+            if ra == rb2 and ra[0] == "batch":
+                return [Split(ra[1], origins)]
+            bad = [s for (_, s), (_, r) in zip(splits, roles) if r[0] != "batch"] or [s for _, s in splits]
+            self.conflict_among(bad, "two activations split on axes other than a shared batch axis "
+                                   "meet in a matmul (e.g. head_dim in the attention scores)")
+            return [Rep(_all(out_nd))]
+        (k, s), (_, (kind, _)) = splits[0], roles[0]
+        if kind == "batch":  # the other side is sliced locally (K/V heads repeated for GQA)
+            return [Split(out_axis(k, s.axis), origins)]
+        if kind == "contract":  # the other side is sliced locally; partial sums all-reduced
+            return [Rep(_all(out_nd))]  # (the expert combine of a MoE)
+        self.conflict(origins, "an activation split on a non-batch axis meets a replicated one in "
+                               "a matmul (e.g. values split on head_dim)")
+        return [Rep(_all(out_nd))]
+
+    def param_matmul(self, eqn, w, x, wk, shapes, contract, batch, free, out_axis, role, out_nd):
+        xk = 1 - wk
+        n = self.n
+        leaf = w.leaf
+        pshape = self.shapes[leaf]
+        self.used.add(leaf)
+        # if the output stays replicated, this parameter could still split its output axis to
+        # follow a split it is added to (a LoRA B matrix next to its column-parallel base)
+        src = (leaf, {out_axis(wk, a): w.axes[a] for a in free[wk] if w.axes[a] is not None},
+               x.origins if isinstance(x, Split) else frozenset())
+        if isinstance(x, Split):
+            kind, pos = role(xk, x.axis)
+            if kind == "contract":
+                wa = contract[wk][pos]
+                pa = w.axes[wa]
+                if pa is None or leaf in self.final or pshape[pa] % n:
+                    why = self.final.get(leaf) or self.undivisible.get(leaf) or "its layout hides the split axis"
+                    self.conflict(x.origins, f"the next matmul's parameter cannot be split ({why})", taint=False)
+                    return Rep(_all(out_nd), src)
+                if leaf in self.wish and self.wish[leaf] != pa:
+                    self.conflict(x.origins, "the next matmul's parameter follows another split", taint=False)
+                    return Rep(_all(out_nd), src)
+                if leaf in self.decided and self.decided[leaf][0] != pa:
+                    self.conflict(x.origins, "the next matmul's parameter is split another way", taint=False)
+                else:
+                    self.decide(leaf, pa, "row")
+                self.clean_out = True  # the row-parallel output is replicated in any placement
+                return Rep(_all(out_nd), src)
+            if kind == "batch":
+                wa = batch[wk][pos]
+                pa = w.axes[wa]
+                if pa is not None and leaf not in self.final and pshape[pa] % n == 0:
+                    self.decide(leaf, pa, "batch")
+                return Split(out_axis(xk, x.axis), x.origins)
+            return Split(out_axis(xk, x.axis), x.origins)
+        # x replicated
+        if leaf in self.final:
+            return Rep(_all(out_nd), src)
+        xc = contract[xk]
+        if xc and not any(a in x.vary for a in xc) and x.vary:
+            # a one-hot (data-constant along the contracted axis): the vocabulary-parallel lookup
+            cands = [w.axes[a] for a in contract[wk] if w.axes[a] is not None and pshape[w.axes[a]] % n == 0]
+            if cands:
+                self.candidates.setdefault(leaf, cands)
+                i = self.choice.get(leaf, 0)
+                if i < len(cands) and self.decide(leaf, cands[i], "embedding-vocab"):
+                    return Rep(_all(out_nd))
+        cands = self.column_candidates(leaf, w, shapes[wk], batch[wk], free[wk])
+        i = self.choice.get(leaf, 0)
+        if i >= len(cands):
+            return Rep(_all(out_nd), src)
+        pa = cands[i]
+        wa = w.axes.index(pa)
+        if not self.decide(leaf, pa, "batch" if wa in batch[wk] else "column"):
+            return Rep(_all(out_nd))
+        return Split(out_axis(wk, wa), frozenset([leaf]))
+
+    def column_candidates(self, leaf, w, wshape, wbatch, wfree):
+        """Parameter axes to split when ``w`` reads a replicated activation, best first.
+
+        Batch axes (experts) first, then output axes major-first (heads before head_dim, heads
+        before the Q/K/V axis of a fused kernel when that does not divide); a choice that leads
+        to a conflict (head_dim contracted in the attention scores) is replaced by the next.
+        """
+        n = self.n
+        pshape = self.shapes[leaf]
+        free = [a for a in wfree if w.axes[a] is not None]
+        free.sort(key=lambda a: w.axes[a])
+        order = [a for a in wbatch if w.axes[a] is not None] + free
+        cands = [w.axes[a] for a in order if pshape[w.axes[a]] % n == 0 and wshape[a] % n == 0]
+        if leaf in self.wish and self.wish[leaf] in [w.axes[a] for a in wfree + list(wbatch)]:
+            cands = [self.wish[leaf]] + [c for c in cands if c != self.wish[leaf]]
+        if not cands:
+            sizes = [pshape[w.axes[a]] for a in order]
+            self.undivisible[leaf] = (f"output dimension{'s' if len(sizes) > 1 else ''} "
+                                      f"{', '.join(map(str, sizes)) or '(none)'} not divisible by {n}")
+        prev = self.candidates.get(leaf)
+        if prev is None or len(cands) > len(prev):
+            self.candidates[leaf] = cands
+        return cands
+
+    # ---- control flow ----------------------------------------------------------------------------
+    def _carry(self, ins, outs, outvars):
+        """Loop carries must keep their placement from one iteration to the next."""
+        res = []
+        for a, b, v in zip(ins, outs, outvars):
+            if isinstance(b, Split) and (not isinstance(a, Split) or a.axis != b.axis):
+                self.conflict(b.origins, "it would change a loop carry's placement")
+                res.append(Rep(_all(len(_shape(v)))))
+            elif isinstance(a, Split) and not isinstance(b, Split):
+                self.conflict(a.origins, "it would change a loop carry's placement")
+                res.append(b)
+            else:
+                res.append(b)
+        return res
+
+    def op_scan(self, eqn, ins):
+        p = eqn.params
+        nc, ncarry = p["num_consts"], p["num_carry"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+        xs_in = []
+        for s, v in zip(xs, eqn.invars[nc + ncarry:]):
+            if isinstance(s, Split):
+                if s.axis == 0:
+                    self.conflict(s.origins, "a scan runs over its split axis")
+                    xs_in.append(Rep(_all(len(_shape(v)) - 1)))
+                else:
+                    xs_in.append(Split(s.axis - 1, s.origins))
+            elif isinstance(s, Par):
+                xs_in.append(Par(s.leaf, s.axes[1:]))
+            else:
+                xs_in.append(Rep(frozenset(a - 1 for a in s.vary if a > 0)))
+        outs = self.eval_closed(p["jaxpr"], consts + carry + xs_in)
+        carry_out = self._carry(carry, outs[:ncarry], eqn.outvars[:ncarry])
+        ys = []
+        for s in outs[ncarry:]:
+            if isinstance(s, Split):
+                ys.append(Split(s.axis + 1, s.origins))
+            elif isinstance(s, Par):
+                ys.append(Par(s.leaf, (None,) + s.axes))
+            else:
+                ys.append(Rep(frozenset([0] + [a + 1 for a in s.vary]) if s.vary else frozenset()))
+        return carry_out + ys
+
+    def op_while(self, eqn, ins):
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, carry = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+        self.eval_closed(p["cond_jaxpr"], cconsts + carry)
+        outs = self.eval_closed(p["body_jaxpr"], bconsts + carry)
+        return self._carry(carry, outs, eqn.outvars)
+
+    def op_cond(self, eqn, ins):
+        branches = eqn.params["branches"]
+        results = [self.eval_closed(b, ins[1:]) for b in branches]
+        outs = []
+        for i, v in enumerate(eqn.outvars):
+            states = [r[i] for r in results]
+            if all(s == states[0] for s in states):
+                outs.append(states[0])
+                continue
+            splits = [s for s in states if isinstance(s, Split)]
+            if splits:
+                self.conflict(frozenset().union(*(s.origins for s in splits)),
+                              "the branches of a cond place it differently")
+            outs.append(Rep(_all(len(_shape(v)))))
+        return outs
+
+    # ---- the result ----------------------------------------------------------------------------
+    def placement(self, leaf):
+        """(parameter axis or None, reason)."""
+        n = self.n
+        shape = self.shapes[leaf]
+        if leaf in self.final:
+            return None, "replicated: " + self.final[leaf]
+        if leaf in self.follow_conflicts:
+            return None, "replicated: " + self.follow_conflicts[leaf]
+        if leaf in self.decided:
+            axis, kind, _ = self.decided[leaf]
+            size = shape[axis]
+            text = {
+                "column": f"column-parallel: output axis {axis} (size {size}) split; reads the replicated stream",
+                "row": f"row-parallel: contracted axis {axis} (size {size}) split; its output is all-reduced",
+                "batch": f"expert/batch axis {axis} (size {size}) split",
+                "embedding-vocab": f"embedding: vocabulary axis {axis} (size {size}) split",
+                "embedding-hidden": f"embedding: hidden axis {axis} (size {size}) split (vocabulary not divisible)",
+                "follow": f"axis {axis} (size {size}) split with the output it is added to",
+            }[kind]
+            return axis, text
+        if leaf in self.undivisible:
+            return None, "replicated: " + self.undivisible[leaf]
+        if leaf in self.used:
+            return None, "replicated: its matmul needs no split here"
+        return None, "replicated: not a matmul weight (norm, scale, bias of a replicated output, or unused)"
+
+
+def _abstract(tree):
+    def to_sds(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        return x
+    return jax.tree_util.tree_map(to_sds, tree)
+
+
+def dataflow_placements(fn, params, *example_args, n_model_shards):
+    """One :class:`Placement` per leaf of ``params`` (written order), from ``fn``'s data flow.
+
+    ``fn(params, *example_args)`` is any function of the parameters — the forward pass or the
+    loss; the args may be arrays or ``jax.ShapeDtypeStruct``s (nothing is computed). Raises
+    :class:`DataflowError` if ``fn`` cannot be traced.
+    """
+    leaves = leaves_in_written_order(params)
+    n = n_model_shards
+    if n == 1:
+        return [Placement(path, tuple(np.shape(x)), getattr(x, "dtype", np.float32), P(),
+                          "replicated (one model shard)") for path, x in leaves]
+    flat = leaves_with_paths(params)
+    try:
+        closed = jax.make_jaxpr(fn)(_abstract(params), *_abstract(example_args))
+    except Exception as e:  # noqa: BLE001 - any tracing failure means: use the structural rules
+        raise DataflowError(f"could not trace the model: {type(e).__name__}: {e}") from e
+    shapes = [tuple(np.shape(x)) for _, x in flat]
+    if len(closed.jaxpr.invars) < len(flat):
+        raise DataflowError("the traced function has fewer inputs than params has leaves")
+    width = model_width([s for s in shapes])
+    analysis = _Analysis(closed, len(flat), shapes, n, width)
+    analysis.run()
+    index = {path: i for i, (path, _) in enumerate(flat)}
+    out = []
+    for path, x in leaves:
+        i = index[path]
+        axis, reason = analysis.placement(i)
+        spec = P() if axis is None else P(*([None] * axis + [MP]))
+        out.append(Placement(path, shapes[i], getattr(x, "dtype", np.float32), spec, reason))
+    return out

@@ -1,0 +1,149 @@
+"""Tensor-parallel placement from the data flow, on architectures written in many styles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from redcoast.sharding.dataflow import DataflowError, dataflow_placements
+from redcoast.sharding.paths import path_to_tuple
+
+from architectures import ARCHITECTURES, plain_jax, transposed
+
+LR = 0.1
+
+
+def specs_of(placements):
+    return {"/".join(pl.path): pl.spec for pl in placements}
+
+
+def mesh_for(n_model_shards):
+    return jax.make_mesh((8 // n_model_shards, n_model_shards), ("dp", "mp"),
+                         axis_types=(AxisType.Auto,) * 2)
+
+
+def sgd_step(loss):
+    def step(params, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        return jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads), value
+    return step
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_key_weights_get_the_megatron_split(name):
+    arch = ARCHITECTURES[name]()
+    for n, expected in arch.expected.items():
+        placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=n)
+        specs = specs_of(placements)
+        wrong = {k: (specs[k], v) for k, v in expected.items() if specs[k] != v}
+        assert not wrong, f"{name} on {n} shards: got/expected {wrong}"
+        for pl in placements:
+            assert pl.reason, pl.path
+            if pl.spec == P():
+                assert pl.reason.startswith("replicated"), (pl.path, pl.reason)
+
+
+# (name, model shards): each architecture once, on both mesh shapes
+STEP_CASES = [("plain_jax", 4), ("flax_linen", 2), ("flax_nnx", 4), ("transposed", 2), ("fused_qkv", 4),
+              ("gqa", 4), ("mqa", 2), ("moe", 4), ("encoder_decoder", 2), ("scan_stacked", 4),
+              ("gpt2", 4), ("bert", 2), ("lora", 4)]
+
+
+@pytest.mark.parametrize("name,n", STEP_CASES)
+def test_sharded_step_equals_single_device_step(name, n):
+    arch = ARCHITECTURES[name]()
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=n)
+    by_path = {pl.path: pl.spec for pl in placements}
+    mesh = mesh_for(n)
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda kp, _: NamedSharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
+    batch_sharding = NamedSharding(mesh, P("dp"))
+    step = sgd_step(arch.loss)
+
+    want_params, want_loss = jax.jit(step)(arch.params, arch.batch)
+    sharded = jax.jit(step, in_shardings=(shardings, batch_sharding),
+                      out_shardings=(shardings, NamedSharding(mesh, P())))
+    got_params, got_loss = sharded(jax.device_put(arch.params, shardings),
+                                   jax.device_put(arch.batch, batch_sharding))
+
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(got_params)[0],
+                                 jax.tree_util.tree_leaves(want_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: {jax.tree_util.keystr(path)}")
+
+    # each device holds about 1/n of the split weights, all of the replicated ones
+    split_total = sum(np.asarray(x).nbytes for x, pl in zip(jax.tree_util.tree_leaves(arch.params), _flat(placements, arch.params)) if pl != P())
+    replicated = sum(np.asarray(x).nbytes for x, pl in zip(jax.tree_util.tree_leaves(arch.params), _flat(placements, arch.params)) if pl == P())
+    on_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree_util.tree_leaves(got_params))
+    assert on_device <= 1.10 * split_total / n + replicated
+    assert split_total > replicated, f"{name}: most weight bytes should be split"
+
+
+def _flat(placements, params):
+    by_path = {pl.path: pl.spec for pl in placements}
+    return [by_path[path_to_tuple(kp)] for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def test_the_plan_does_not_depend_on_names_or_order():
+    arch = plain_jax()
+    base = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=4)
+    # rename every leaf and write the dicts in reverse order: same specs for the same weights
+    rename = {k: f"w{i}" for i, k in enumerate(reversed(list(arch.params["blocks"][0])))}
+    params = {"Z": arch.params["e"], "Y": [{rename[k]: blk[k] for k in reversed(list(blk))}
+                                          for blk in arch.params["blocks"]], "X": arch.params["q9"]}
+
+    def loss(p, batch):
+        back = {"e": p["Z"], "q9": p["X"],
+                "blocks": [{k: blk[rename[k]] for k in rename} for blk in p["Y"]]}
+        return arch.loss(back, batch)
+
+    renamed = specs_of(dataflow_placements(loss, params, arch.batch, n_model_shards=4))
+    for pl in base:
+        if pl.path[0] == "blocks":
+            new = "/".join(("Y", pl.path[1], rename[pl.path[2]]))
+        else:
+            new = {"e": "Z", "q9": "X"}[pl.path[0]]
+        assert renamed[new] == pl.spec, (pl.path, new)
+
+
+def test_transposed_kernels_get_the_transposed_split():
+    arch = transposed()
+    specs = specs_of(dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=4))
+    assert specs["layers.1.self_attn.q_proj.weight"] == P("mp")  # (out, in): output axis first
+    assert specs["layers.1.mlp.down_proj.weight"] == P(None, "mp")
+
+
+def test_placements_come_in_written_order_with_reasons():
+    arch = plain_jax()
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=4)
+    assert [pl.path[0] for pl in placements][:2] == ["q9", "blocks"]
+    reasons = {"/".join(pl.path): pl.reason for pl in placements}
+    assert "column-parallel" in reasons["blocks/0/a7"]
+    assert "row-parallel" in reasons["blocks/0/m3"]
+    assert "vocabulary" in reasons["e"]
+
+
+def test_indivisible_heads_are_replicated_with_a_reason():
+    w = np.ones
+    params = {"q": w((24, 6, 4), np.float32), "o": w((6, 4, 24), np.float32)}
+
+    def loss(p, x):
+        q = jnp.einsum("btd,dhk->bthk", x, p["q"])
+        s = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, q), -1)
+        return jnp.sum(jnp.einsum("bhqs,bshk,hkd->bqd", s, q, p["o"]))
+
+    x = jax.ShapeDtypeStruct((2, 5, 24), jnp.float32)
+    specs = {pl.path[0]: pl for pl in dataflow_placements(loss, params, x, n_model_shards=4)}
+    assert specs["q"].spec == P() and specs["q"].reason.startswith("replicated")  # never head_dim
+    assert specs["o"].spec == P()
+    specs = {pl.path[0]: pl.spec for pl in dataflow_placements(loss, params, x, n_model_shards=2)}
+    assert specs == {"q": P(None, "mp"), "o": P("mp")}
+
+
+def test_one_shard_replicates_everything_and_tracing_errors_are_reported():
+    arch = plain_jax()
+    assert all(pl.spec == P() for pl in dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=1))
+    with pytest.raises(DataflowError, match="could not trace"):
+        dataflow_placements(lambda p, b: p["missing"], arch.params, arch.batch, n_model_shards=4)
