@@ -1,0 +1,114 @@
+"""The collective parser on programs with a known number of collectives."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from redcoast.comms import collective_report, megatron_ideal, per_layer
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2)
+
+
+def compile_shard_map(mesh, body, in_specs, out_specs, *args):
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return f.lower(*args).compile()
+
+
+def test_each_kind_is_counted_with_its_bytes_and_axis(mesh):
+    x = jnp.ones((8, 16), jnp.float32)  # per device (4, 4) under P('dp', 'mp')
+
+    def body(a):
+        s = jax.lax.psum(a, "mp")                                   # all-reduce over mp
+        g = jax.lax.all_gather(a, "dp", tiled=True)                 # all-gather over dp
+        r = jax.lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True)  # reduce-scatter over dp
+        t = jax.lax.all_to_all(a, "mp", 0, 0, tiled=True)           # all-to-all over mp
+        p = jax.lax.ppermute(a, "mp", [(i, (i + 1) % 4) for i in range(4)])  # collective-permute
+        return s + r + t + p
+
+    rep = collective_report(compile_shard_map(mesh, body, P("dp", "mp"), P("dp", "mp"), x), mesh)
+    assert rep.by_kind() == {"all-reduce": (1, 64), "all-gather": (1, 128), "reduce-scatter": (1, 128),
+                             "all-to-all": (1, 64), "collective-permute": (1, 64)}
+    assert rep.count(axis="mp") == 3 and rep.count(axis="dp") == 2
+    assert rep.wire_bytes("all-reduce") == pytest.approx(2 * 3 / 4 * 64)
+    assert rep.wire_bytes("all-gather") == pytest.approx(1 / 2 * 128)
+
+
+def test_collectives_in_loops_count_every_iteration(mesh):
+    x = jnp.ones((8, 16), jnp.float32)
+
+    def body(a):
+        return jax.lax.fori_loop(0, 5, lambda i, c: c + jax.lax.psum(c, "mp") * 0.5, a)
+
+    rep = collective_report(compile_shard_map(mesh, body, P("dp", "mp"), P("dp", "mp"), x), mesh)
+    assert rep.count("all-reduce", "mp") == 5
+    assert rep.bytes("all-reduce", "mp") == 5 * 64
+
+
+def test_a_megatron_mlp_stack_moves_two_all_reduces_per_layer(mesh):
+    b, t, h, f = 4, 8, 16, 32
+    x = jnp.ones((b, t, h), jnp.float32)
+
+    def compiled(n_layers):
+        params = [{"up": jnp.ones((h, f)), "down": jnp.ones((f, h))} for _ in range(n_layers)]
+        specs = [{"up": NamedSharding(mesh, P(None, "mp")), "down": NamedSharding(mesh, P("mp"))}
+                 for _ in range(n_layers)]
+
+        def loss(p, x):
+            for lyr in p:
+                x = x + jnp.tanh(x @ lyr["up"]) @ lyr["down"]
+            return jnp.mean(x ** 2)
+
+        return jax.jit(jax.grad(loss), in_shardings=(specs, NamedSharding(mesh, P("dp"))),
+                       out_shardings=specs).lower(params, x).compile()
+
+    layer = per_layer(compiled, mesh)
+    act = (b // 2) * t * h * 4
+    ideal = megatron_ideal(b // 2, t, h, 4)  # attention + MLP: 4 all-reduces per layer
+    assert layer["mp"]["count"] == 2  # MLP only: one forward, one backward
+    assert layer["mp"]["bytes"] == 2 * act
+    assert layer["mp"]["wire_bytes"] == pytest.approx(ideal["wire_bytes"] / 2)
+    assert ideal["count"] == 4 and megatron_ideal(1, 1, 1, 2, cross_attention=True)["count"] == 6
+
+
+HLO = """HloModule m, entry_computation_layout={()->f32[]}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[2,8])) -> (s32[], f32[2,8]) {
+  %ars = f32[2,8]{1,0} all-reduce-start(%v), channel_id=3, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  %ard = f32[2,8]{1,0} all-reduce-done(%ars)
+}
+
+ENTRY %main () -> f32[] {
+  %ar = (f32[4,16]{1,0}, bf16[8]{0}) all-reduce(%a, %b), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  %ags = ((f32[2,4]{1,0}), (f32[2,16]{1,0})) all-gather-start(%c), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={1}, use_global_device_ids=true
+  %agd = f32[2,16]{1,0} all-gather-done(%ags)
+  %cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%d), channel_id=4, source_target_pairs={{0,4},{4,0}}
+  %w = (s32[], f32[2,8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %rs = f32[1,8]{1,0} reduce-scatter(%e), channel_id=5, replica_groups=mesh['dp'=2,'mp'=4] {'mp'}, dimensions={0}, to_apply=%add
+}
+"""
+
+
+def test_async_tuple_iota_and_mesh_forms_of_the_text():
+    rep = collective_report(HLO, {"dp": 2, "mp": 4})
+    kinds = {(c.op, c.axis, c.bytes, c.times) for c in rep.collectives}
+    assert kinds == {
+        ("all-reduce", "dp", 4 * 16 * 4 + 8 * 2, 1),       # variadic: tuple result, groups {0,4},{1,5}..
+        ("all-gather-start", "mp", 2 * 16 * 4, 1),          # the gathered output, not the operand
+        ("collective-permute-start", "dp", 8 * 4, 1),       # the operand, not the u32 contexts
+        ("all-reduce-start", "mp", 2 * 8 * 4, 3),           # in a while body: runs 3 times
+        ("reduce-scatter", "mp", 4 * 8 * 4, 1),             # the full input: result x group size
+    }
+    assert rep.count() == 7 and rep.count(axis="mp") == 5
