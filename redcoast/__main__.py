@@ -1,0 +1,7 @@
+"""``python -m redcoast launch -n N script.py``: the ``redcoast`` command without the console script."""
+
+import sys
+
+from .launch import cli
+
+sys.exit(cli())

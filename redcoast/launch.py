@@ -1,0 +1,305 @@
+"""``redcoast launch``: start the N processes of one run on this machine, and stop them together.
+
+    redcoast launch -n 4 --local-devices 2 train.py --lr 3e-4
+    python -m redcoast.launch -n 4 --local-devices 2 train.py --lr 3e-4
+
+Each process runs the unchanged script; ``Deployer()`` finds its place in the run from the
+``REDCOAST_*`` variables set here (coordinator 127.0.0.1 on a free port, process count and id,
+local device count) and starts ``jax.distributed``. Every line a process prints is prefixed with
+its index (``[0] ...``). SIGINT and SIGTERM are forwarded to all processes. When one process
+fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace-period`` seconds) and the
+launcher exits non-zero, naming the process, how it ended, and its last lines of output.
+"""
+
+import argparse
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from . import distributed
+
+POLL_S = 0.05
+TAIL_LINES = 30
+
+
+def main(argv=None):
+    """Entry point of ``python -m redcoast.launch``; returns the exit status."""
+    options, command = parse_args(sys.argv[1:] if argv is None else argv)
+    return Launcher(options, command).run()
+
+
+def cli(argv=None):
+    """Entry point of the ``redcoast`` console script: ``redcoast launch ...``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: redcoast launch -n N [--local-devices K] script.py [args ...]\n\n"
+              "Commands:\n  launch   start N processes of one run on this machine "
+              "(redcoast launch --help)")
+        return 0 if argv else 2
+    if argv[0] != "launch":
+        print(f"redcoast: unknown command {argv[0]!r}. Fix: use `redcoast launch -n N script.py`.",
+              file=sys.stderr)
+        return 2
+    return main(argv[1:])
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="redcoast launch",
+        usage="redcoast launch -n N [--local-devices K] [options] (script.py | -m module) [args ...]",
+        description="Start N processes of one redcoast (jax.distributed) run on this machine. "
+                    "The script is unchanged: Deployer() finds its process count, id and "
+                    "coordinator from the REDCOAST_* variables set for each process.")
+    parser.add_argument("-n", "--n-processes", type=int, required=True, metavar="N",
+                        help="number of processes to start")
+    parser.add_argument("--local-devices", type=int, metavar="K",
+                        help="devices per process: K simulated CPU devices on CPU; on GPUs, "
+                             "process i drives GPUs i*K .. i*K+K-1")
+    parser.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    parser.add_argument("--host0-address", default="127.0.0.1",
+                        help="coordinator address (default 127.0.0.1)")
+    parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
+                        help="seconds the other processes get to exit after one fails, before "
+                             "SIGKILL (default 5)")
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
+    return parser
+
+
+_TAKES_VALUE = {"-n", "--n-processes", "--local-devices", "--port", "--host0-address",
+                "--grace-period"}
+
+
+def parse_args(argv):
+    """``(options, command)``: the launcher's own options, and the Python command to run."""
+    argv = list(argv)
+    i = 0
+    while i < len(argv):  # the launcher's options end at the script (or after -m MODULE)
+        token = argv[i]
+        if token == "--":
+            argv.pop(i)
+            break
+        if token == "-m":
+            i += 2
+            break
+        if not token.startswith("-") or token == "-":
+            break
+        i += 1 if ("=" in token or token not in _TAKES_VALUE) else 2
+    own, rest = argv[:i], argv[i:]
+    parser = _parser()
+    options = parser.parse_args(own)
+    if options.module is None and not rest:
+        parser.error("no script given. Fix: redcoast launch -n N script.py [args], or -m module.")
+    if options.n_processes < 1:
+        parser.error(f"-n {options.n_processes}: the number of processes must be at least 1.")
+    if options.local_devices is not None and options.local_devices < 1:
+        parser.error(f"--local-devices {options.local_devices}: it must be at least 1.")
+    if options.module is not None:
+        command = [sys.executable, "-u", "-m", options.module] + rest
+    else:
+        if not os.path.exists(rest[0]):
+            parser.error(f"script {rest[0]!r} not found. Fix: give the path of a Python script.")
+        command = [sys.executable, "-u"] + rest
+    return options, command
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port that nothing listens on at the moment."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def child_env(base, n, i, host, port, local_devices):
+    """The environment of process ``i``: the launcher's, plus where it stands in the run."""
+    env = dict(base)
+    env.update({distributed.ENV_N_PROCESSES: str(n), distributed.ENV_PROCESS_ID: str(i),
+                distributed.ENV_HOST0_ADDRESS: host, distributed.ENV_HOST0_PORT: str(port),
+                distributed.ENV_LOCAL_PROCESS_ID: str(i), "PYTHONUNBUFFERED": "1"})
+    if local_devices is not None:
+        env[distributed.ENV_N_LOCAL_DEVICES] = str(local_devices)
+        # An inherited --xla_force_host_platform_device_count would fight --local-devices.
+        flags = distributed._FORCE_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+        if flags:
+            env["XLA_FLAGS"] = " ".join(flags)
+        else:
+            env.pop("XLA_FLAGS", None)
+    return env
+
+
+def describe_exit(returncode):
+    """``'exited with code 1'`` or ``'was killed by signal 9 (SIGKILL)'``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
+
+
+def _die_with_parent():
+    """In the child: be killed if the launcher dies (Linux), so no process is left orphaned."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class _Output:
+    """Copies one process's stdout or stderr to ours, each line prefixed with its index."""
+
+    lock = threading.Lock()
+
+    def __init__(self, pipe, prefix, sink, tail):
+        self.pipe, self.prefix, self.sink, self.tail = pipe, prefix.encode(), sink, tail
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self):
+        pending = b""
+        fd = self.pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            # A line ends at \n, or at \r (progress bars redraw themselves with it).
+            start = 0
+            for j, byte in enumerate(pending):
+                if byte in (10, 13):
+                    self._write(pending[start:j + 1])
+                    start = j + 1
+            pending = pending[start:]
+        if pending:
+            self._write(pending + b"\n")
+        self.pipe.close()
+
+    def _write(self, line):
+        text = line.rstrip(b"\r\n")
+        if text:
+            self.tail.append(text.decode(errors="replace"))
+        with self.lock:
+            try:
+                self.sink.write(self.prefix + line)
+                self.sink.flush()
+            except (OSError, ValueError):  # our own output is gone; keep draining the pipe
+                pass
+
+
+class Launcher:
+    """Runs ``command`` as ``options.n_processes`` processes and supervises them."""
+
+    def __init__(self, options, command):
+        self.options = options
+        self.command = command
+        self.procs = []
+        self.outputs = []
+        self.tails = []
+        self.signals = []
+        self.failed = None        # (index, returncode) of the first process that failed
+        self.stop_started = None  # when the others were told to stop
+
+    def log(self, text):
+        with _Output.lock:
+            print(f"redcoast launch: {text}", file=sys.stderr, flush=True)
+
+    def run(self):
+        n, o = self.options.n_processes, self.options
+        port = o.port or free_port(o.host0_address if o.host0_address != "localhost" else "127.0.0.1")
+        width = len(str(n - 1))
+        self.log(f"starting {n} process(es), coordinator {o.host0_address}:{port}"
+                 + (f", {o.local_devices} device(s) each" if o.local_devices else "")
+                 + f": {' '.join(self.command[2:])}")
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for i in range(n):
+                self.procs.append(subprocess.Popen(
+                    self.command, env=child_env(os.environ, n, i, o.host0_address, port,
+                                                o.local_devices),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True, preexec_fn=_die_with_parent))
+            for i, p in enumerate(self.procs):
+                tail = collections.deque(maxlen=TAIL_LINES)
+                self.tails.append(tail)
+                prefix = f"[{i:>{width}}] "
+                self.outputs += [_Output(p.stdout, prefix, sys.stdout.buffer, tail),
+                                 _Output(p.stderr, prefix, sys.stderr.buffer, tail)]
+            self.started = time.monotonic()
+            self._supervise()
+        finally:
+            self._kill_all(signal.SIGKILL)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        for out in self.outputs:
+            out.thread.join(timeout=2)
+        return self._report()
+
+    def _on_signal(self, signum, frame):
+        self.signals.append(signum)
+        if len(self.signals) >= 3:  # asked three times: stop now
+            self._kill_all(signal.SIGKILL)
+        else:
+            self._kill_all(signum)
+
+    def _kill_all(self, signum):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)  # the process and anything it started
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _supervise(self):
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return
+            for i, c in enumerate(codes):
+                if c not in (None, 0) and self.failed is None and not self.signals:
+                    self.failed = (i, c)
+                    self.stop_started = time.monotonic()
+                    self.log(f"process {i} {describe_exit(c)}; stopping the other processes.")
+                    self._kill_all(signal.SIGTERM)
+            if (self.stop_started is not None
+                    and time.monotonic() - self.stop_started > self.options.grace_period):
+                self._kill_all(signal.SIGKILL)
+            time.sleep(POLL_S)
+
+    def _report(self):
+        n = len(self.procs)
+        if self.failed is not None:
+            i, code = self.failed
+            took = time.monotonic() - self.stop_started
+            lines = "\n".join(f"  [{i}] {line}" for line in self.tails[i])
+            self.log(
+                f"FAILED: process {i} of {n} (pid {self.procs[i].pid}) {describe_exit(code)} "
+                f"after {self.stop_started - self.started:.1f} s; the other processes were stopped "
+                f"in {took:.1f} s. Its last lines of output:\n{lines or '  (none)'}\n"
+                f"Fix: see process {i}'s error above (lines prefixed [{i}]); the other processes' "
+                "errors about a lost peer follow from it.")
+            return code if code > 0 else 128 - code
+        if self.signals:
+            name = signal.Signals(self.signals[0]).name
+            self.log(f"stopped by {name}, forwarded to all {n} processes.")
+            return 128 + self.signals[0]
+        bad = [(i, p.returncode) for i, p in enumerate(self.procs) if p.returncode != 0]
+        if bad:  # cannot happen without a failure above; kept for safety
+            i, code = bad[0]
+            self.log(f"FAILED: process {i} {describe_exit(code)}.")
+            return code if code > 0 else 128 - code
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

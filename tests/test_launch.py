@@ -1,0 +1,339 @@
+"""Finding a run's processes (arguments, redcoast launch, SLURM, Open MPI) and `redcoast launch`.
+
+The detection tests read faked environments and start nothing; the others start real processes
+on loopback (faked SLURM / Open MPI variables, the launcher with a failing or killed process).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+
+import pytest
+
+from redcoast import distributed
+from redcoast.distributed import Cluster, detect, first_slurm_host
+from redcoast.errors import ConfigError
+from redcoast.launch import child_env, cli, describe_exit, free_port, parse_args
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def slurm_env(n_tasks=2, proc_id=0, local_id=None, nodes="gpu[07-09,12],cpu3", n_nodes=1, **extra):
+    env = {"SLURM_JOB_ID": "123456", "SLURM_NTASKS": str(n_tasks),
+           "SLURM_STEP_NUM_TASKS": str(n_tasks), "SLURM_PROCID": str(proc_id),
+           "SLURM_LOCALID": str(proc_id if local_id is None else local_id),
+           "SLURM_STEP_NODELIST": nodes, "SLURM_JOB_NODELIST": nodes, "SLURM_STEP_ID": "0",
+           "SLURM_STEP_NUM_NODES": str(n_nodes), "SLURM_NNODES": str(n_nodes)}
+    env.update(extra)
+    return env
+
+
+def ompi_env(size=4, rank=1, local_rank=1, local_size=2, **extra):
+    env = {"OMPI_COMM_WORLD_SIZE": str(size), "OMPI_COMM_WORLD_RANK": str(rank),
+           "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
+           "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+           "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"}
+    env.update(extra)
+    return env
+
+
+# -- detection, from faked environments --------------------------------------------------------
+
+def test_nothing_found_is_one_process():
+    assert detect(env={}) is None
+    assert detect(n_processes=1, env=slurm_env()) is None  # explicit arguments win
+
+
+def test_explicit_arguments_win_over_the_environment():
+    env = {"REDCOAST_N_PROCESSES": "8", "REDCOAST_PROCESS_ID": "5",
+           "REDCOAST_HOST0_ADDRESS": "10.9.9.9", **slurm_env()}
+    c = detect(n_processes=2, host0_address="10.0.0.1", host0_port=1234, process_id=1, env=env)
+    assert c == Cluster("Deployer arguments", 2, 1, "10.0.0.1:1234")
+    assert detect(n_processes=2, host0_address="10.0.0.1", process_id=0, env={}).coordinator \
+        == f"10.0.0.1:{distributed.DEFAULT_PORT}"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(n_processes=2, host0_address="10.0.0.1"), "process_id"),
+    (dict(n_processes=2, process_id=0), "host0_address"),
+    (dict(n_processes=2, host0_address="h", process_id=2), "distinct id"),
+    (dict(n_processes=2, host0_address="h", process_id=0, host0_port=70000), "port"),
+])
+def test_incomplete_or_wrong_arguments_name_the_fix(kwargs, needle):
+    with pytest.raises(ConfigError, match="Fix") as e:
+        detect(env={}, **kwargs)
+    assert needle in str(e.value)
+
+
+def test_redcoast_variables_set_by_the_launcher():
+    env = child_env({}, 4, 3, "127.0.0.1", 5555, 2)
+    c = detect(env=env)
+    assert (c.source, c.n_processes, c.process_id, c.coordinator) == \
+        ("redcoast launch", 4, 3, "127.0.0.1:5555")
+    assert c.local_device_ids == (6, 7)  # on GPUs, process 3 of a machine drives GPUs 6 and 7
+    assert detect(env={**env, **slurm_env()}).source == "redcoast launch"  # before SLURM
+    with pytest.raises(ConfigError, match="REDCOAST_HOST0_ADDRESS.*Fix"):
+        detect(env={"REDCOAST_N_PROCESSES": "2", "REDCOAST_PROCESS_ID": "0"})
+    with pytest.raises(ConfigError, match="REDCOAST_PROCESS_ID='x'.*Fix"):
+        detect(env={**env, "REDCOAST_PROCESS_ID": "x"})
+
+
+def test_launcher_environment_strips_a_forced_device_count():
+    env = child_env({"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"},
+                    2, 0, "127.0.0.1", 1, 4)
+    assert env["XLA_FLAGS"] == "--xla_foo=1" and env["REDCOAST_N_LOCAL_DEVICES"] == "4"
+    env = child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, 2, 0, "h", 1, 4)
+    assert "XLA_FLAGS" not in env
+    keep = child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, 2, 0, "h", 1, None)
+    assert keep["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+
+
+@pytest.mark.parametrize("nodes, first", [
+    ("node001", "node001"), ("node001,host2", "node001"), ("node[001-015],host2", "node001"),
+    ("node[007,001-003]", "node007"), ("rack[2-3]-gpu[10-11]", "rack2-gpu10"),
+    ("gpu[07-09,12],cpu3", "gpu07")])
+def test_first_host_of_a_slurm_node_list(nodes, first):
+    assert first_slurm_host(nodes) == first
+
+
+def test_slurm_tasks_of_one_step():
+    clusters = [detect(env=slurm_env(n_tasks=16, proc_id=i, local_id=i % 8, n_nodes=2))
+                for i in range(16)]
+    assert {c.coordinator for c in clusters} == {clusters[0].coordinator}  # all agree
+    host, port = clusters[0].coordinator.split(":")
+    assert host == "gpu07" and 61440 <= int(port) <= 65535
+    assert [c.process_id for c in clusters] == list(range(16))
+    assert clusters[9].source == "SLURM" and clusters[9].n_processes == 16
+    assert clusters[9].local_device_ids == (1,)  # 8 tasks per node: one GPU each
+    # SLURM already bound one GPU to each task: use it, whatever its number.
+    assert detect(env=slurm_env(n_tasks=2, proc_id=1, CUDA_VISIBLE_DEVICES="1")).local_device_ids is None
+    # One task per node drives all the node's GPUs.
+    assert detect(env=slurm_env(n_tasks=2, proc_id=1, n_nodes=2)).local_device_ids is None
+    env = slurm_env(REDCOAST_HOST0_ADDRESS="10.1.2.3", REDCOAST_HOST0_PORT="4321")
+    assert detect(env=env).coordinator == "10.1.2.3:4321"
+
+
+def test_slurm_shells_that_are_not_a_multi_task_step_stay_single():
+    assert detect(env=slurm_env(n_tasks=1)) is None  # srun -n1, or an interactive step
+    allocation = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4", "SLURM_PROCID": "0",
+                  "SLURM_JOB_NODELIST": "a[1-2]", "SLURM_NNODES": "2"}  # salloc / sbatch shell
+    assert detect(env=allocation) is None
+
+
+def test_open_mpi_ranks():
+    c = detect(env=ompi_env())
+    assert (c.source, c.n_processes, c.process_id) == ("Open MPI", 4, 1)
+    host, port = c.coordinator.split(":")
+    assert host == "10.96.0.1" and 61440 <= int(port) <= 65535
+    assert c.local_device_ids == (1,)
+    pmix = ompi_env(size=2, rank=0, local_size=1, PMIX_SERVER_URI41="prterun-h-1@0.0;tcp4://10.0.0.7:4000",
+                    PMIX_NAMESPACE="prterun-h-1@1")
+    del pmix["OMPI_MCA_orte_hnp_uri"]
+    assert detect(env=pmix).coordinator.startswith("10.0.0.7:")  # Open MPI 5 (PMIx)
+    assert detect(env=ompi_env(size=1, rank=0)) is None
+    bare = ompi_env()
+    del bare["OMPI_MCA_orte_hnp_uri"]
+    with pytest.raises(ConfigError, match="REDCOAST_HOST0_ADDRESS"):
+        detect(env=bare)
+    assert detect(env={**bare, "REDCOAST_HOST0_ADDRESS": "10.0.0.2"}).coordinator.startswith("10.0.0.2:")
+
+
+# -- the command line -------------------------------------------------------------------------
+
+def test_command_line(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    options, command = parse_args(["-n", "4", "--local-devices=2", str(script), "-n", "x"])
+    assert (options.n_processes, options.local_devices) == (4, 2)
+    assert command == [sys.executable, "-u", str(script), "-n", "x"]  # the script's own -n
+    _, command = parse_args(["-n", "2", "-m", "pkg.train", "--lr", "1"])
+    assert command == [sys.executable, "-u", "-m", "pkg.train", "--lr", "1"]
+    for argv, needle in [(["-n", "0", str(script)], "at least 1"),
+                         (["-n", "2", "missing.py"], "not found"), (["-n", "2"], "no script")]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert needle in capsys.readouterr().err
+    assert cli(["frobnicate"]) == 2 and "redcoast launch" in capsys.readouterr().err
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"]["redcoast"] == "redcoast.launch:cli"
+    assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
+    assert describe_exit(3) == "exited with code 3"
+
+
+# -- real processes ---------------------------------------------------------------------------
+
+HELLO = textwrap.dedent("""
+    import sys
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from redcoast import Deployer
+
+    deployer = Deployer(verbose=False)
+    ids = multihost_utils.process_allgather(np.array([jax.process_index()]))
+    print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} "
+          f"local / {jax.device_count()} devices, saw {ids.ravel().tolist()}, args {sys.argv[1:]}")
+""")
+
+
+def env_for_children(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "REDCOAST_")) and k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def run_together(envs, script, timeout=120):
+    procs = [subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for env in envs]
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs], [p.returncode for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("kind", ["slurm", "open_mpi"])
+def test_faked_scheduler_starts_jax_distributed(tmp_path, kind):
+    """Two processes that only see SLURM's (or Open MPI's) variables form one run."""
+    script = tmp_path / "hello.py"
+    script.write_text(HELLO)
+    port = str(free_port())
+    if kind == "slurm":
+        envs = [env_for_children(**slurm_env(n_tasks=2, proc_id=i, nodes="localhost"),
+                                 JAX_COORDINATOR_PORT=port) for i in range(2)]
+    else:
+        envs = [env_for_children(**ompi_env(size=2, rank=i, local_rank=i, REDCOAST_HOST0_PORT=port,
+                                            OMPI_MCA_orte_hnp_uri="99.0;tcp://127.0.0.1:1"))
+                for i in range(2)]
+    outputs, codes = run_together(envs, script)
+    for i in range(2):
+        assert codes[i] == 0, outputs[i][-3000:]
+        assert f"process {i} of 2: 1 local / 2 devices, saw [0, 1]" in outputs[i]
+
+
+def test_a_missing_peer_times_out_with_the_fix(tmp_path):
+    """Process 1 with no process 0, and process 0 with no process 1, each give up and say why."""
+    script = tmp_path / "hello.py"
+    script.write_text(HELLO)
+    envs = [env_for_children(**child_env({}, 2, i, "127.0.0.1", free_port(), 1),
+                             REDCOAST_INIT_TIMEOUT="3") for i in (1, 0)]
+    start = time.monotonic()
+    (alone_1, alone_0), codes = run_together(envs, script)
+    assert all(code != 0 for code in codes) and time.monotonic() - start < 60
+    assert "ConfigError: process 1 of 2 (redcoast launch) could not reach the coordinator" in alone_1
+    assert "Fix: start all 2 processes within 3 s" in alone_1
+    # JAX itself aborts process 0; redcoast said beforehand what it was waiting for.
+    assert "process 0 of 2 (redcoast launch) is still waiting for the other processes" in alone_0
+    assert "Fix: start all 2 processes within 3 s" in alone_0
+
+
+def launch(args, cwd, timeout=120, **extra_env):
+    return subprocess.Popen([sys.executable, "-m", "redcoast.launch"] + args, cwd=cwd,
+                            env=env_for_children(**extra_env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_launch_prefixes_output_and_passes_arguments(tmp_path):
+    (tmp_path / "hello.py").write_text(HELLO)
+    proc = launch(["-n", "2", "--local-devices", "3", "hello.py", "-n", "x"], tmp_path,
+                  XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    for i in range(2):
+        assert f"[{i}] process {i} of 2: 3 local / 6 devices, saw [0, 1], args ['-n', 'x']" in out
+
+
+KILLED = textwrap.dedent("""
+    import os, signal
+    import optax
+    from redcoast import Deployer, Trainer
+    from tiny_lm import collate_fn, loss_fn, make_examples, make_model
+
+    deployer = Deployer(n_model_shards=1, verbose=False)
+    model, params = make_model()
+    calls = []
+
+    def collate(examples):
+        calls.append(len(examples))
+        if deployer.process_index == 1 and len(calls) == 8:  # a few steps into training
+            print("process 1 kills itself mid-training", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return collate_fn(examples)
+
+    trainer = Trainer(deployer, collate, model.apply, loss_fn, params, optax.sgd(0.1))
+    trainer.fit(make_examples(400), per_device_batch_size=1, n_epochs=100)
+""")
+
+RAISING = textwrap.dedent("""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from redcoast import Deployer
+
+    deployer = Deployer(verbose=False)
+    rows = NamedSharding(deployer.mesh, P("dp"))
+    total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(deployer.mesh, P()))
+    for step in range(10**6):  # the others wait in this all-reduce for process 1
+        if deployer.process_index == 1 and step == 20:
+            raise RuntimeError("deliberate error in process 1 at step 20")
+        x = jax.make_array_from_process_local_data(rows, np.ones(jax.local_device_count()),
+                                                   (jax.device_count(),))
+        float(total(x))
+""")
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_a_failed_process_stops_the_run(tmp_path, how):
+    (tmp_path / "train.py").write_text(KILLED if how == "kill" else RAISING)
+    proc = launch(["-n", "2", "--local-devices", "2", "train.py"], tmp_path)
+    lines, failed_at = [], None
+    for line in proc.stdout:  # the kill / error time, seen as the launcher shows it
+        lines.append(line)
+        if failed_at is None and ("kills itself" in line or "RuntimeError: deliberate" in line):
+            failed_at = time.monotonic()
+    proc.wait(timeout=60)
+    out = "".join(lines)
+    assert failed_at is not None, out
+    took = time.monotonic() - failed_at
+    assert proc.returncode != 0, out
+    assert took < 30, f"the launcher took {took:.1f} s to stop after the failure"
+    if how == "kill":
+        assert proc.returncode == 128 + signal.SIGKILL
+        assert "FAILED: process 1 of 2" in out and "was killed by signal 9 (SIGKILL)" in out
+    else:
+        assert proc.returncode == 1
+        assert "FAILED: process 1 of 2" in out and "exited with code 1" in out
+        assert "[1] Traceback (most recent call last)" in out
+        assert "  [1] RuntimeError: deliberate error in process 1 at step 20" in out  # summary
+    print(f"launcher exit {took:.2f} s after the failure ({how})")
+
+
+def test_launch_forwards_sigint(tmp_path):
+    (tmp_path / "wait.py").write_text(textwrap.dedent("""
+        import sys, time
+        print("ready", flush=True)
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("got SIGINT", flush=True)
+            sys.exit(130)
+    """))
+    proc = launch(["-n", "2", "wait.py"], tmp_path)
+    ready = 0
+    for line in proc.stdout:
+        ready += "ready" in line
+        if ready == 2:
+            break
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 130 and time.monotonic() - start < 10
+    assert "[0] got SIGINT" in out and "[1] got SIGINT" in out
+    assert "stopped by SIGINT, forwarded to all 2 processes" in out
