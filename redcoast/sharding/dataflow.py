@@ -845,3 +845,164 @@ def dataflow_placements(fn, params, *example_args, n_model_shards):
         spec = P() if axis is None else P(*([None] * axis + [MP]))
         out.append(Placement(path, shapes[i], getattr(x, "dtype", np.float32), spec, reason))
     return out
+
+
+# ---- executing the plan at Megatron's traffic: fuse sibling matmuls ----------------------------
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+
+
+def _sibling_key(eqn):
+    """Matmuls that share one operand (the same variable, same side, same dimension numbers) with
+    a same-shaped other operand can run as one matmul over the stacked others."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    a, b = eqn.invars
+    params = tuple(sorted((k, str(v)) for k, v in eqn.params.items()))
+    for side, (shared, other) in enumerate(((a, b), (b, a))):
+        if isinstance(shared, jcore.Var) and isinstance(other, jcore.Var):
+            yield (id(shared), side, params, tuple(other.aval.shape), str(other.aval.dtype))
+
+
+def _groups(jaxpr):
+    """{eqn index: (group eqn indices, side)} for sibling matmuls of one jaxpr (groups of 2+)."""
+    by_key = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for key in _sibling_key(eqn) or ():
+            by_key.setdefault(key, []).append(i)
+    taken, out = set(), {}
+    for key, members in sorted(by_key.items(), key=lambda kv: -len(kv[1])):
+        members = [m for m in members if m not in taken]
+        if len(members) > 1:
+            for m in members:
+                out[m] = (members, key[1])
+            taken.update(members)
+    return out
+
+
+def _eval_fused(jaxpr, consts, args):
+    """Evaluate ``jaxpr`` with jit calls inlined and sibling matmuls fused (demand-driven, so
+    that every stacked operand is computed before the one matmul that uses them all)."""
+    jaxpr = _inline(jaxpr, consts)
+    env = dict(jaxpr.const_env)
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    groups = _groups(jaxpr)
+    done = set()
+
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if v not in env:
+            run(producer[v])
+        return env[v]
+
+    def run(i):
+        if i in done:
+            return
+        eqn = jaxpr.eqns[i]
+        if i in groups:
+            members, side = groups[i]
+            run_group(members, side)
+            return
+        done.add(i)
+        vals = [read(v) for v in eqn.invars]
+        outs = _bind(eqn, vals)
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+
+    def run_group(members, side):
+        first = jaxpr.eqns[members[0]]
+        shared = read(first.invars[side])
+        others = [read(jaxpr.eqns[m].invars[1 - side]) for m in members]
+        (lc, rc), (lb, rb) = first.params["dimension_numbers"]
+        stacked = jax.numpy.stack(others, 0)  # new leading free axis of the other operand
+        shift = lambda dims: tuple(d + 1 for d in dims)
+        if side == 0:  # shared is lhs
+            dn = ((tuple(lc), shift(rc)), (tuple(lb), shift(rb)))
+            n_lhs_free = len(shared.shape) - len(lc) - len(lb)
+            pos = len(lb) + n_lhs_free
+            operands = (shared, stacked)
+        else:
+            dn = ((shift(lc), tuple(rc)), (shift(lb), tuple(rb)))
+            pos = len(lb)
+            operands = (stacked, shared)
+        params = dict(first.params, dimension_numbers=dn)
+        if params.get("out_sharding") is not None:
+            params["out_sharding"] = None
+        y = first.primitive.bind(*operands, **params)
+        for k, m in enumerate(members):
+            done.add(m)
+            env[jaxpr.eqns[m].outvars[0]] = jax.lax.index_in_dim(y, k, pos, keepdims=False)
+
+    for i in range(len(jaxpr.eqns)):
+        run(i)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, vals):
+    name = eqn.primitive.name
+    params = dict(eqn.params)
+    if name == "scan":
+        params["jaxpr"] = _fused_closed(params["jaxpr"])
+    bind_params = eqn.primitive.get_bind_params(params)  # as jax.core.eval_jaxpr does
+    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
+        subfuns, bind_params = bind_params
+        vals = [*subfuns, *vals]
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*vals, **bind_params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _fused_closed(closed):
+    """The same ClosedJaxpr with sibling matmuls fused (for scan bodies: stacked layers)."""
+    avals = [v.aval for v in closed.jaxpr.invars]
+    fn = lambda *a: _eval_fused(closed.jaxpr, closed.consts, a)
+    return jax.make_jaxpr(fn)(*avals)
+
+
+def _inline(jaxpr, consts):
+    """``jaxpr`` with its constants bound and jit sub-calls inlined, as a new flat Jaxpr."""
+    def flat(*args):
+        return _eval_inline(jaxpr, consts, args)
+    closed = jax.make_jaxpr(flat)(*[v.aval for v in jaxpr.invars])
+    return _Bound(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)))
+
+
+class _Bound:
+    """A jaxpr whose constvars are already bound to values (read like invars)."""
+    def __init__(self, jaxpr, const_env):
+        self.jaxpr, self.const_env = jaxpr, const_env
+        self.invars, self.outvars, self.eqns = jaxpr.invars, jaxpr.outvars, jaxpr.eqns
+
+
+def _eval_inline(jaxpr, consts, args):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in _INLINE:
+            sub = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
+            outs = _eval_inline(sub.jaxpr, sub.consts, vals) if hasattr(sub, "jaxpr") else _eval_inline(sub, (), vals)
+        else:
+            outs = _bind(eqn, vals)
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def fuse_sibling_matmuls(fn):
+    """``fn`` with matmuls that share an input run as one matmul over stacked weights.
+
+    Under a tensor-parallel plan, Q, K and V (or gate and up) computed as separate matmuls of the
+    same input make XLA all-reduce each partial input gradient separately in the backward pass;
+    stacked, the input gradient is summed locally and all-reduced once, as Megatron-LM does. The
+    result is the same function (up to floating-point summation order); weights stay separate.
+    """
+    def fused(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        flat_args = jax.tree_util.tree_leaves(args)
+        outs = _eval_fused(closed.jaxpr, closed.consts, flat_args)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return fused
