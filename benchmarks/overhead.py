@@ -27,15 +27,13 @@ timed end to end (until the last update is ready); the loops alternate A, B, A, 
 
 import os
 
-# 8 simulated CPU devices; must be set before JAX is imported. Existing flags are kept.
-_FLAG = "--xla_force_host_platform_device_count"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
-
 import sys  # noqa: E402
 
 # Benchmark this checkout's redcoast, whatever copy happens to be installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from redcoast.simulate import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)  # before JAX's first computation; existing XLA flags are kept
 
 import argparse  # noqa: E402
 import platform  # noqa: E402

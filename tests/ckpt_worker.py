@@ -10,8 +10,10 @@ import os
 import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from redcoast.simulate import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -1,8 +1,8 @@
-"""Every test runs on 8 simulated CPU devices; XLA reads the flag when JAX starts."""
+"""Every test runs on 8 simulated CPU devices; XLA reads the flags when JAX's backend starts."""
 
 import os
 
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+from redcoast.simulate import simulate_cpu_devices
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulate_cpu_devices(8)

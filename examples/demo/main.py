@@ -10,20 +10,22 @@ is downloaded: the data is generated, and the run takes 1-2 minutes on a 2-core 
 
 import os
 
-# Simulate 8 devices on the CPU; this must happen before JAX is imported.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # set JAX_PLATFORMS yourself to run elsewhere
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+from redcoast import Deployer, Trainer
+from redcoast.simulate import simulate_cpu_devices
 
-from redcoast import Deployer, Trainer  # noqa: E402
+import data
+from model import TransformerLM
 
-import data  # noqa: E402
-from model import TransformerLM  # noqa: E402
+# Simulate 8 devices on the CPU (before JAX's first computation); set JAX_PLATFORMS yourself
+# to run on accelerators instead.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    simulate_cpu_devices(8)
 
 N_TRAIN, N_EVAL = 16_000, 512
 PER_DEVICE_BATCH_SIZE = 16
