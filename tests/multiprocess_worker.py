@@ -1,6 +1,17 @@
 """One process of a multi-process run on loopback, started by test_multiprocess.py.
 
-    python multiprocess_worker.py PROCESS_ID N_PROCESSES PORT N_LOCAL_DEVICES N_MODEL_SHARDS OUT_DIR
+    python multiprocess_worker.py OUT_DIR N_MODEL_SHARDS[,N_MODEL_SHARDS...] \
+        [PROCESS_ID N_PROCESSES PORT N_LOCAL_DEVICES]
+    python multiprocess_worker.py OUT_DIR ckpt
+
+With the last four arguments the Deployer gets them explicitly; without them it finds its place
+in the run by itself (under ``redcoast launch``: from the REDCOAST_* variables). One run of
+``run_tiny.run`` per number of model shards, all in the same processes; each process saves its
+results, and how many examples it collated, to OUT_DIR/process_{id}_mp{n}.npz.
+
+``ckpt``: restore the checkpoint found in OUT_DIR/workdir (written by another number of
+processes), save what was restored, train one more epoch from it, save a checkpoint there and
+the final state (OUT_DIR/restored_{id}.npz, OUT_DIR/final_{id}.npz).
 """
 
 import os
@@ -9,18 +20,79 @@ import sys
 import numpy as np
 
 
-def main():
-    process_id, n_processes, port, n_local, n_model_shards = map(int, sys.argv[1:6])
-    out_dir = sys.argv[6]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from redcoast import Deployer
-    from run_tiny import run
+CKPT_EXAMPLES, CKPT_SHARDS = 32, 2
 
-    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, verbose=False,
-                        n_processes=n_processes, host0_address="127.0.0.1", host0_port=port,
+
+def ckpt_trainer(workdir):
+    """The trainer of the checkpoint round trip (the same on every number of processes)."""
+    import optax
+    from redcoast import Deployer, Trainer
+    from tiny_lm import collate_fn, loss_fn, make_model
+
+    deployer = Deployer(jax_seed=0, n_model_shards=CKPT_SHARDS, workdir=workdir, verbose=False)
+    model, params = make_model()
+    return Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.adamw(1e-2))
+
+
+def host_state(trainer):
+    """The trainer's step, parameters and optimizer state as complete numpy arrays, by path."""
+    import jax
+    from redcoast.host import to_host
+
+    tree = {"params": trainer.params, "opt_state": trainer.state.opt_state}
+    flat = jax.tree_util.tree_leaves_with_path(to_host(tree))
+    return {"step": trainer.step, **{jax.tree_util.keystr(p): x for p, x in flat}}
+
+
+def checkpoint_round_trip(out_dir):
+    import jax
+    from redcoast.checkpoint import CheckpointStore
+    from tiny_lm import make_examples
+
+    workdir = os.path.join(out_dir, "workdir")
+    trainer = ckpt_trainer(workdir)
+    trainer.restore_checkpoint(CheckpointStore(os.path.join(workdir, "checkpoints", "steps")))
+    np.savez(os.path.join(out_dir, f"restored_{jax.process_index()}.npz"), **host_state(trainer))
+    trainer = ckpt_trainer(workdir)  # fit resumes from the same checkpoint by itself
+    trainer.fit(make_examples(CKPT_EXAMPLES), 1, n_epochs=2, save_last_ckpt=True)
+    np.savez(os.path.join(out_dir, f"final_{jax.process_index()}.npz"), **host_state(trainer))
+
+
+def main():
+    out_dir = sys.argv[1]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if sys.argv[2] == "ckpt":
+        return checkpoint_round_trip(out_dir)
+    shard_counts = [int(n) for n in sys.argv[2].split(",")]
+    explicit = {}
+    if len(sys.argv) > 3:
+        process_id, n_processes, port, n_local = map(int, sys.argv[3:7])
+        explicit = dict(n_processes=n_processes, host0_address="127.0.0.1", host0_port=port,
                         process_id=process_id, n_local_devices=n_local)
-    result = run(deployer)
-    np.savez(os.path.join(out_dir, f"process_{process_id}.npz"), **result)
+    import jax
+    import run_tiny
+    from redcoast import Deployer
+
+    collated = []
+    collate = run_tiny.collate_fn
+
+    def counting_collate(examples):  # run() looks collate_fn up in its module at call time
+        collated.append(len(examples))
+        return collate(examples)
+
+    run_tiny.collate_fn = counting_collate
+    for n_model_shards in shard_counts:
+        collated.clear()
+        workdir = os.path.join(out_dir, f"workdir_mp{n_model_shards}")
+        deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=workdir,
+                            verbose=not explicit, **explicit)
+        result = run_tiny.run(deployer)
+        result["rows_collated"] = np.array(sum(collated))
+        result["process_index"] = np.array(jax.process_index())
+        deployer.logger.close()
+        np.savez(os.path.join(out_dir, f"process_{jax.process_index()}_mp{n_model_shards}.npz"),
+                 **result)
+    print(f"worker {jax.process_index()} finished", flush=True)
 
 
 if __name__ == "__main__":

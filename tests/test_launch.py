@@ -318,8 +318,8 @@ def test_a_failed_process_stops_the_run(tmp_path, how):
 def test_launch_forwards_sigint(tmp_path):
     (tmp_path / "wait.py").write_text(textwrap.dedent("""
         import sys, time
-        print("ready", flush=True)
         try:
+            print("ready", flush=True)
             time.sleep(60)
         except KeyboardInterrupt:
             print("got SIGINT", flush=True)

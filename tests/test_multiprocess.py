@@ -1,6 +1,13 @@
-"""Several real processes on loopback (jax.distributed, gloo) give the single-process results."""
+"""Several real processes on loopback (jax.distributed, gloo) give the single-process results.
 
+Two layouts of 8 CPU devices against one process with all 8, with 1, 2 and 4 model shards:
+2 processes x 4 devices started by ``redcoast launch`` (the script finds its place from the
+environment), and 4 processes x 2 devices given explicit Deployer arguments.
+"""
+
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -8,10 +15,15 @@ import sys
 import numpy as np
 import pytest
 
+import multiprocess_worker
+import run_tiny
 from redcoast import Deployer
-from run_tiny import run
+from redcoast.checkpoint import CheckpointStore
+from tiny_lm import make_examples
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "multiprocess_worker.py")
+DEVICES = 8
 
 
 def free_port():
@@ -20,36 +32,144 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(n_processes, n_local_devices, n_model_shards, out_dir, timeout=300):
+def child_env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    root = os.path.dirname(HERE)  # this checkout's redcoast, whatever is installed
+    env["PYTHONPATH"] = os.pathsep.join([root, HERE, env.get("PYTHONPATH", "")])
+    return env
+
+
+def load_results(out_dir, n_processes, shard_counts):
+    return {mp: [dict(np.load(os.path.join(out_dir, f"process_{i}_mp{mp}.npz")))
+                 for i in range(n_processes)] for mp in shard_counts}
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """``get(n_model_shards)``: the results of one process with 8 devices (computed once each),
+    with the number of example rows it collated."""
+    cache = {}
+
+    def get(mp):
+        if mp not in cache:
+            collated = []
+            collate = run_tiny.collate_fn
+            run_tiny.collate_fn = lambda examples: (collated.append(len(examples)),
+                                                    collate(examples))[1]
+            try:
+                cache[mp] = run_tiny.run(Deployer(jax_seed=0, n_model_shards=mp, verbose=False))
+            finally:
+                run_tiny.collate_fn = collate
+            cache[mp]["rows_collated"] = sum(collated)
+        return cache[mp]
+
+    return get
+
+
+def check_same_results(results, single_process, n_processes):
+    for mp, per_process in results.items():
+        expected = single_process(mp)
+        for i, result in enumerate(per_process):
+            where = f"process {i} of {n_processes}, n_model_shards={mp}"
+            assert int(result["n_processes"]) == n_processes
+            assert int(result["process_index"]) == i
+            # Every process holds the complete, ordered predictions.
+            np.testing.assert_array_equal(result["predictions"], expected["predictions"],
+                                          err_msg=where)
+            assert float(result["eval_loss"]) == pytest.approx(
+                float(expected["eval_loss"]), rel=1e-5), where
+            for key, value in expected.items():
+                if key.startswith("param:"):
+                    np.testing.assert_allclose(result[key], value, rtol=1e-5, atol=1e-6,
+                                               err_msg=f"{key} ({where})")
+            # Each process collated only the rows its own devices hold: 1/n of every batch, or
+            # more when one model copy spans several processes (they hold the same rows).
+            sharing = max(1, mp * n_processes // DEVICES)
+            assert int(result["rows_collated"]) * n_processes == \
+                expected["rows_collated"] * sharing, where
+
+
+# Each layout runs in one set of processes, one n_model_shards after the other; the quick set
+# covers both layouts and all three shard counts between them.
+LAYOUTS = [
+    pytest.param("launch", (2,), id="launch-2x4-mp2"),
+    pytest.param("explicit", (4,), id="explicit-4x2-mp4"),
+    pytest.param("launch", (1, 4), id="launch-2x4-mp1,4", marks=pytest.mark.slow),
+    pytest.param("explicit", (1, 2), id="explicit-4x2-mp1,2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("how, shard_counts", LAYOUTS)
+def test_several_processes_match_one(tmp_path, single_process, how, shard_counts):
+    if how == "launch":
+        results = run_launched(tmp_path, 2, 4, shard_counts)
+    else:
+        results = run_explicit(tmp_path, 4, 2, shard_counts)
+    check_same_results(results, single_process, DEVICES // (4 if how == "launch" else 2))
+
+
+def run_launched(out_dir, n, n_local, shard_counts):
+    """`redcoast launch -n 2 --local-devices 4`: unchanged script, logs from process 0 only."""
+    cmd = [sys.executable, "-m", "redcoast.launch", "-n", str(n), "--local-devices", str(n_local),
+           WORKER, str(out_dir), ",".join(map(str, shard_counts))]
+    env = child_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # the launcher must strip it
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    lines = output.splitlines()
+    assert any(line.startswith("[0] ") and "redcoast]" in line for line in lines), output[-3000:]
+    # Only process 0 logs (console, progress bars); the others print nothing of their own
+    # but their last word (gloo's connection notes, from C++ threads, are not redcoast's).
+    for i in range(1, n):
+        said = [line for line in lines if line.startswith(f"[{i}] ")]
+        assert f"[{i}] worker {i} finished" in said, said
+        assert not [line for line in said if "redcoast" in line or "%|" in line or "epoch" in line]
+    for mp in shard_counts:  # one writer of each run's files
+        with open(os.path.join(out_dir, f"workdir_mp{mp}", "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        assert sum(r.get("event") == "run_start" for r in records) == 1
+    return load_results(out_dir, n, shard_counts)
+
+
+def run_explicit(out_dir, n, n_local, shard_counts):
+    """Processes started by hand, each given explicit Deployer arguments."""
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(i), str(n_processes),
-         str(port), str(n_local_devices), str(n_model_shards), str(out_dir)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(n_processes)]
+        [sys.executable, WORKER, str(out_dir), ",".join(map(str, shard_counts)), str(i), str(n),
+         str(port), str(n_local)], env=child_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for i in range(n)]
     outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
+            outputs.append(p.communicate(timeout=500)[0])
     finally:
         for p in procs:
             p.kill()
     for i, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-    return [dict(np.load(os.path.join(out_dir, f"process_{i}.npz"))) for i in range(n_processes)]
+    return load_results(out_dir, n, shard_counts)
 
 
-@pytest.mark.parametrize("n_processes, n_model_shards", [(2, 2), (4, 4)])
-def test_several_processes_match_one(tmp_path, n_processes, n_model_shards):
-    results = launch(n_processes, 8 // n_processes, n_model_shards, tmp_path)
-    expected = run(Deployer(jax_seed=0, n_model_shards=n_model_shards, verbose=False))
-    for result in results:  # every process holds the complete, ordered results
-        assert int(result["n_processes"]) == n_processes
-        np.testing.assert_array_equal(result["predictions"], expected["predictions"])
-        assert float(result["eval_loss"]) == pytest.approx(float(expected["eval_loss"]), rel=1e-5)
-        for key, value in expected.items():
-            if key.startswith("param:"):
-                np.testing.assert_allclose(result[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+def test_checkpoints_move_between_process_counts(tmp_path):
+    """Saved by 1 process -> restored and continued by 2 -> saved by 2 -> restored by 1."""
+    one = multiprocess_worker.ckpt_trainer(str(tmp_path / "one"))
+    one.fit(make_examples(multiprocess_worker.CKPT_EXAMPLES), 1, n_epochs=1, save_last_ckpt=True)
+    saved_by_one = multiprocess_worker.host_state(one)
+    shutil.copytree(tmp_path / "one" / "checkpoints", tmp_path / "two" / "workdir" / "checkpoints")
+    cmd = [sys.executable, "-m", "redcoast.launch", "-n", "2", "--local-devices", "4", WORKER,
+           str(tmp_path / "two"), "ckpt"]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for i in range(2):
+        restored = dict(np.load(tmp_path / "two" / f"restored_{i}.npz"))
+        assert sorted(restored) == sorted(saved_by_one)
+        for key, value in saved_by_one.items():  # bitwise: a restore is a copy
+            np.testing.assert_array_equal(restored[key], value, err_msg=f"process {i}: {key}")
+    final = dict(np.load(tmp_path / "two" / "final_0.npz"))
+    assert int(final["step"]) == 2 * int(saved_by_one["step"])  # it continued, not restarted
+    back = multiprocess_worker.ckpt_trainer(str(tmp_path / "back"))
+    meta = back.restore_checkpoint(CheckpointStore(tmp_path / "two" / "workdir" / "checkpoints" / "steps"))
+    assert meta["step"] == int(final["step"])
+    for key, value in multiprocess_worker.host_state(back).items():
+        np.testing.assert_array_equal(value, final[key], err_msg=key)
