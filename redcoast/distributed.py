@@ -26,6 +26,7 @@ import zlib
 import jax
 
 from .errors import ConfigError
+from .simulate import simulate_cpu_devices
 
 DEFAULT_PORT = 11111
 
@@ -42,8 +43,6 @@ ENV_INIT_TIMEOUT = "REDCOAST_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "REDCOAST_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "REDCOAST_SHUTDOWN_TIMEOUT"
 TIMEOUT_DEFAULTS = {ENV_INIT_TIMEOUT: 300, ENV_HEARTBEAT_TIMEOUT: 60, ENV_SHUTDOWN_TIMEOUT: 300}
-
-_FORCE_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +117,7 @@ def initialize(n_processes=None, host0_address=None, host0_port=None, process_id
         _wait_for_coordinator(cluster, init_timeout, f"{me}{cluster.n_processes}", fix)
     # JAX ends the process (a C++ fatal error) if the others do not join in time: say first
     # what it was waiting for, so the log explains the abort.
-    hint = threading.Timer(min(10.0, init_timeout / 2), lambda: print(
+    hint = threading.Timer(min(30.0, init_timeout / 2), lambda: print(
         f"redcoast: {me}{cluster.n_processes} ({cluster.source}) is still waiting for the other "
         f"processes to join jax.distributed at {cluster.coordinator or 'the detected address'}; "
         f"it gives up after {init_timeout} s. {fix}", file=sys.stderr, flush=True))
@@ -409,13 +408,6 @@ def _exit_at_once_on_error():
     atexit.register(exit_now)  # runs before JAX's own exit handler (registered at import)
 
 
-def _strip_forced_device_count():
-    """Drop an inherited ``--xla_force_host_platform_device_count`` (n_local_devices wins)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _FORCE_DEVICES_FLAG.search(flags):
-        os.environ["XLA_FLAGS"] = " ".join(_FORCE_DEVICES_FLAG.sub("", flags).split())
-
-
 def _set_cpu_device_count(n_local_devices):
     """Ask for ``n_local_devices`` CPU devices in this process (effective only before JAX starts)."""
     try:
@@ -426,7 +418,6 @@ def _set_cpu_device_count(n_local_devices):
         raise ConfigError(f"n_local_devices={n_local_devices!r}; it must be a positive integer.")
     try:
         jax.config.update("jax_num_cpu_devices", n_local_devices)
-        _strip_forced_device_count()
     except RuntimeError as e:  # the backend is already running
         if jax.default_backend() == "cpu" and len(jax.local_devices()) != n_local_devices:
             raise ConfigError(
@@ -434,3 +425,7 @@ def _set_cpu_device_count(n_local_devices):
                 f"with {len(jax.local_devices())} local devices. Fix: create the Deployer before "
                 "any other JAX call, or set XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{n_local_devices} before starting Python.") from e
+    else:
+        # The same count in XLA_FLAGS (an inherited other one would fight it), and the flags
+        # that keep simulated devices from deadlocking or timing out each other.
+        simulate_cpu_devices(n_local_devices)

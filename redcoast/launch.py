@@ -14,6 +14,7 @@ launcher exits non-zero, naming the process, how it ended, and its last lines of
 import argparse
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from . import distributed
 
 POLL_S = 0.05
 TAIL_LINES = 30
+_FORCE_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
 
 
 def main(argv=None):
@@ -124,7 +126,7 @@ def child_env(base, n, i, host, port, local_devices):
     if local_devices is not None:
         env[distributed.ENV_N_LOCAL_DEVICES] = str(local_devices)
         # An inherited --xla_force_host_platform_device_count would fight --local-devices.
-        flags = distributed._FORCE_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+        flags = _FORCE_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
         if flags:
             env["XLA_FLAGS"] = " ".join(flags)
         else:
@@ -241,8 +243,11 @@ class Launcher:
             self._kill_all(signal.SIGKILL)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        # Copy what is still in the pipes (a busy machine may lag); a process's own children
+        # that keep a pipe open cannot hold the launcher for more than a few seconds.
+        deadline = time.monotonic() + 10
         for out in self.outputs:
-            out.thread.join(timeout=2)
+            out.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         return self._report()
 
     def _on_signal(self, signum, frame):

@@ -183,7 +183,9 @@ HELLO = textwrap.dedent("""
 
 def env_for_children(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "REDCOAST_")) and k != "XLA_FLAGS"}
+           if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "REDCOAST_"))}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
@@ -243,7 +245,7 @@ def launch(args, cwd, timeout=120, **extra_env):
 def test_launch_prefixes_output_and_passes_arguments(tmp_path):
     (tmp_path / "hello.py").write_text(HELLO)
     proc = launch(["-n", "2", "--local-devices", "3", "hello.py", "-n", "x"], tmp_path,
-                  XLA_FLAGS="--xla_force_host_platform_device_count=8")
+                  XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     for i in range(2):

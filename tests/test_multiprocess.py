@@ -33,7 +33,10 @@ def free_port():
 
 
 def child_env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """The test's environment (with conftest's XLA flags) less its forced device count."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     root = os.path.dirname(HERE)  # this checkout's redcoast, whatever is installed
     env["PYTHONPATH"] = os.pathsep.join([root, HERE, env.get("PYTHONPATH", "")])
     return env
@@ -113,7 +116,7 @@ def run_launched(out_dir, n, n_local, shard_counts):
     cmd = [sys.executable, "-m", "redcoast.launch", "-n", str(n), "--local-devices", str(n_local),
            WORKER, str(out_dir), ",".join(map(str, shard_counts))]
     env = child_env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # the launcher must strip it
+    env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"  # the launcher strips it
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
@@ -124,7 +127,7 @@ def run_launched(out_dir, n, n_local, shard_counts):
     for i in range(1, n):
         said = [line for line in lines if line.startswith(f"[{i}] ")]
         assert f"[{i}] worker {i} finished" in said, said
-        assert not [line for line in said if "redcoast" in line or "%|" in line or "epoch" in line]
+        assert not [line for line in said if "redcoast]" in line or "%|" in line or "epoch" in line]
     for mp in shard_counts:  # one writer of each run's files
         with open(os.path.join(out_dir, f"workdir_mp{mp}", "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
