@@ -23,9 +23,9 @@ class Deployer:
     def __init__(self, jax_seed=0, n_model_shards=1, workdir=None, verbose=True,
                  run_tensorboard=False, wandb_init_kwargs=None, n_processes=None,
                  host0_address=None, host0_port=None, process_id=None, n_local_devices=None):
-        distributed.initialize(n_processes=n_processes, host0_address=host0_address,
-                               host0_port=host0_port, process_id=process_id,
-                               n_local_devices=n_local_devices)
+        self.cluster = distributed.initialize(
+            n_processes=n_processes, host0_address=host0_address, host0_port=host0_port,
+            process_id=process_id, n_local_devices=n_local_devices)
         self.jax_seed = int(jax_seed)
         self.workdir = workdir
         self.verbose = verbose
@@ -35,7 +35,8 @@ class Deployer:
                                 wandb_init_kwargs=wandb_init_kwargs)
         self.log_info(
             f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
-            f"process(es); mesh dp={self.n_data_shards} x mp={self.n_model_shards}")
+            f"process(es) ({distributed.describe(self.cluster)}); "
+            f"mesh dp={self.n_data_shards} x mp={self.n_model_shards}")
 
     @property
     def n_model_shards(self):
@@ -76,9 +77,10 @@ class Deployer:
                                 warmup_steps=warmup_steps, init_learning_rate=init_learning_rate,
                                 end_learning_rate=end_learning_rate)
 
-    def get_sharding_plan(self, params, params_sharding_rules=None):
+    def get_sharding_plan(self, params, params_sharding_rules=None, base_placements=None):
         """The placement of every parameter on this mesh (printable with ``.table()``)."""
-        return ShardingPlan(params, self.mesh, user_rules=params_sharding_rules)
+        return ShardingPlan(params, self.mesh, user_rules=params_sharding_rules,
+                            base_placements=base_placements)
 
     def get_sharding_rules(self, params):
         """Automatic rules for ``params`` in the paper's format: [(tuple of regexes, PartitionSpec)]."""

@@ -25,13 +25,20 @@ class Predictor:
         self.params_sharding_rules = params_sharding_rules
         self._rng = deployer.gen_rng()
         self._compiled = {}
+        self._plan_owner = None
+
+    def follow_plan_of(self, trainer):
+        """Place parameters as ``trainer`` does, now and after it refines its plan."""
+        self._plan_owner = trainer
 
     def _step_for(self, params):
         """The sharded params and the jitted step for this params structure (built once)."""
         leaves, treedef = jax.tree_util.tree_flatten(params)
         key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in leaves))
+        owner_plan = self._plan_owner.plan if self._plan_owner is not None else None
+        key = key + (id(owner_plan),)
         if key not in self._compiled:
-            plan = self.deployer.get_sharding_plan(params, self.params_sharding_rules)
+            plan = owner_plan or self.deployer.get_sharding_plan(params, self.params_sharding_rules)
             shardings = plan.param_shardings()
             mesh = self.deployer.mesh
             pred_fn = self.pred_fn

@@ -17,7 +17,8 @@ from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
 from .predictor import Predictor
 from .preemption import PreemptionGuard
-from .steps import make_eval_step, make_train_step
+from .sharding.dataflow import dataflow_placements
+from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
 
 
@@ -45,10 +46,12 @@ class Trainer:
         mesh = deployer.mesh
         self._replicated = NamedSharding(mesh, P())
 
+        self.params_sharding_rules = params_sharding_rules
+        self.train_step_fn = train_step_fn
+        # A first plan from the shapes alone, so the parameters are placed (and trainer.params
+        # usable) at once; the first batch refines it from the loss's traced data flow.
         self.plan = deployer.get_sharding_plan(params, params_sharding_rules)
-        if deployer.verbose:
-            deployer.log_info(self.plan.table(), title="Sharding plan")
-            deployer.log_info(self.plan.rules_source(), title="As params_sharding_rules:")
+        self._plan_final = False
         param_shardings = self.plan.param_shardings()
         # The step donates its state, which must never delete the caller's arrays, and
         # device_put may reuse their buffers: a compiled copy owns fresh ones.
@@ -59,27 +62,64 @@ class Trainer:
         scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), self._replicated)
         self._state = TrainState(step=scalar(0), params=params, opt_state=opt_state,
                                  nonfinite_step=scalar(-1), apply_fn=apply_fn, tx=optimizer)
-        self._state_shardings = TrainState(
-            step=self._replicated, params=param_shardings, opt_state=opt_shardings,
-            nonfinite_step=self._replicated, apply_fn=apply_fn, tx=optimizer)
         self._host_step = 0
         self._train_rng = jax.device_put(deployer.gen_rng(), self._replicated)
         self._eval_rng = jax.device_put(deployer.gen_rng(), self._replicated)
         self._best = {}
+        self._compile_steps()
 
-        step_fn = train_step_fn or make_train_step(
-            loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=param_shardings)
-        batch_spec = P("dp") if accumulate_grad_batches == 1 else P(None, "dp")
+    def _compile_steps(self):
+        """The jitted train and eval steps for the current plan (compiled at their first call)."""
+        mesh = self.deployer.mesh
+        s = self._state
+        self._state_shardings = TrainState(
+            step=self._replicated, params=self.plan.param_shardings(),
+            opt_state=self.plan.opt_state_shardings(s.opt_state),
+            nonfinite_step=self._replicated, apply_fn=s.apply_fn, tx=s.tx)
+        step_fn = self.train_step_fn or make_train_step(
+            self.loss_fn, self.compute_dtype, self.accumulate_grad_batches,
+            grad_shardings=self._state_shardings.params)
+        batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(
             step_fn,
             in_shardings=(self._state_shardings, NamedSharding(mesh, batch_spec), self._replicated),
             out_shardings=(self._state_shardings, self._replicated),
             donate_argnums=(0,))
         self._eval_step = jax.jit(
-            make_eval_step(loss_fn, compute_dtype),
+            make_eval_step(self.loss_fn, self.compute_dtype),
             in_shardings=(self._state_shardings, NamedSharding(mesh, P("dp")),
                           NamedSharding(mesh, P("dp")), self._replicated),
             out_shardings=self._replicated)
+
+    def _finalize_plan(self, example_batch):
+        """Replace the shape-based plan by one traced from ``loss_fn`` on ``example_batch``
+        (once, before the first step), move the state to it, and print the plan."""
+        if self._plan_final:
+            return
+        self._plan_final = True
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example_batch)
+        state = self._state
+        dtype = self.compute_dtype
+
+        def traced_loss(params, batch):
+            return self.loss_fn(jax.random.PRNGKey(0), state, cast_floating(params, dtype), batch, True)
+
+        try:
+            placements = dataflow_placements(traced_loss, state.params, abstract,
+                                             n_model_shards=self.deployer.n_model_shards)
+            source = "the traced data flow of loss_fn"
+        except Exception as e:  # any model the analysis cannot follow keeps the shape rules
+            placements = None
+            source = f"shapes and order only (the data-flow analysis failed: {type(e).__name__}: {e})"
+        plan = self.deployer.get_sharding_plan(state.params, self.params_sharding_rules,
+                                               base_placements=placements)
+        if not plan.same_placement(self.plan):
+            self.plan = plan
+            self._compile_steps()
+            self._state = jax.device_put(self._state, self._state_shardings)
+        if self.deployer.verbose:
+            self.deployer.log_info(self.plan.table(), title=f"Sharding plan (from {source})")
+            self.deployer.log_info(self.plan.rules_source(), title="As params_sharding_rules:")
 
     @property
     def state(self):
@@ -96,8 +136,9 @@ class Trainer:
 
     def get_default_predictor(self, pred_fn, output_fn=None):
         """A :class:`Predictor` sharing this trainer's collate_fn and parameter placement."""
-        return Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn,
-                         params_sharding_rules=self.plan.rules())
+        predictor = Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn)
+        predictor.follow_plan_of(self)
+        return predictor
 
     def updates_per_epoch(self, n_examples, per_device_batch_size):
         """Optimizer updates in one epoch (the last incomplete batch is dropped)."""
@@ -124,6 +165,9 @@ class Trainer:
         per_update = global_batch * k
         n_steps = self.updates_per_epoch(len(examples), per_device_batch_size)
         order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
+        if not self._plan_final:  # trace the loss on one micro-batch
+            first = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch)
+            self._finalize_plan(first.make(examples, order[:global_batch]))
         maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch, micro_batches=k)
         batches = prefetch(maker.make(examples, order[i * per_update:(i + 1) * per_update])
                            for i in range(start_position, n_steps))
@@ -176,6 +220,8 @@ class Trainer:
         """Means over examples of the loss and metrics, every example counted exactly once."""
         global_batch = self.deployer.global_batch_size(per_device_batch_size)
         maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch)
+        if not self._plan_final:
+            self._finalize_plan(maker.make(examples, next(padded_batches(len(examples), global_batch))[0]))
         batches = prefetch((maker.make(examples, idx), maker.padding_mask(n_real))
                            for idx, n_real in padded_batches(len(examples), global_batch))
         totals, count = None, 0.0

@@ -46,7 +46,9 @@ def test_optimizer_state_is_sharded_and_training_matches_one_device(name):
     trainer.fit(examples, 4, 1, shuffle=False)  # 2 data shards x 4 = 8 per step, 4 steps
 
     kernel_spec = trainer.params["Dense_1"]["kernel"].sharding.spec
-    assert kernel_spec == P(None, "mp")  # (16, 64): column-parallel
+    # Dense_0 reads the replicated input (column-parallel), so Dense_1 (16, 64) reads a split
+    # activation: row-parallel over its 16 inputs
+    assert kernel_spec == P("mp")
     for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.opt_state):
         keys = jax.tree_util.keystr(path)
         if "Dense_1" in keys and "kernel" in keys and leaf.shape == (16, 64):

@@ -13,11 +13,13 @@ from .rules import (Placement, check_rules_format, check_spec_fits, first_matchi
 class ShardingPlan:
     """Where every parameter (and optimizer-state leaf) of a model lives on the mesh."""
 
-    def __init__(self, params, mesh, user_rules=None):
+    def __init__(self, params, mesh, user_rules=None, base_placements=None):
+        """``base_placements`` (e.g. from the data-flow analysis) replace the structural rules
+        that read only the shapes; user rules override either."""
         self.mesh = mesh
         self.axis_sizes = dict(mesh.shape)
         n_model_shards = self.axis_sizes.get("mp", 1)
-        placements = auto_placements(params, n_model_shards)
+        placements = base_placements or auto_placements(params, n_model_shards)
         if user_rules:
             check_rules_format(user_rules)
             placements = [self._apply_user_rule(pl, user_rules) for pl in placements]
@@ -32,6 +34,9 @@ class ShardingPlan:
             return placement
         check_spec_fits(spec, placement.shape, self.axis_sizes, placement.path)
         return Placement(placement.path, placement.shape, placement.dtype, spec, "user rule")
+
+    def same_placement(self, other):
+        return [pl.spec for pl in self.placements] == [pl.spec for pl in other.placements]
 
     def param_shardings(self):
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.param_specs,
