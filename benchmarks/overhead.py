@@ -205,14 +205,17 @@ def main():
 
     trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=model.apply,
                       loss_fn=loss_fn, params=params, optimizer=optimizer)
-    hand_init, hand_epoch, hand_step = make_hand_loop(model, optimizer, trainer, global_batch)
-    hand_state = hand_init(init_params())
-
     rng = np.random.default_rng(args.seed)
     n_examples = args.steps * global_batch
     examples = [{"ids": rng.integers(0, args.vocab_size, args.seq_len, dtype=np.int32)}
                 for _ in range(n_examples)]
     warm = examples[:args.warmup_steps * global_batch]
+
+    # The Trainer settles its placement (traced from loss_fn) at its first batch: train once
+    # before copying its shardings into the hand-written loop.
+    trainer.train(warm, args.per_device_batch_size, log_every_n_steps=args.log_every)
+    hand_init, hand_epoch, hand_step = make_hand_loop(model, optimizer, trainer, global_batch)
+    hand_state = hand_init(init_params())
 
     order_of = lambda epoch, n: epoch_order(n, deployer.jax_seed, epoch)  # the Trainer's order
 
