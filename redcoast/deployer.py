@@ -77,10 +77,12 @@ class Deployer:
                                 warmup_steps=warmup_steps, init_learning_rate=init_learning_rate,
                                 end_learning_rate=end_learning_rate)
 
-    def get_sharding_plan(self, params, params_sharding_rules=None, base_placements=None):
-        """The placement of every parameter on this mesh (printable with ``.table()``)."""
+    def get_sharding_plan(self, params, params_sharding_rules=None, base_placements=None,
+                          fsdp=False):
+        """The placement of every parameter on this mesh (printable with ``.table()``);
+        ``fsdp=True`` also splits large tensors over 'dp' (ZeRO-3), as the Trainer does."""
         return ShardingPlan(params, self.mesh, user_rules=params_sharding_rules,
-                            base_placements=base_placements)
+                            base_placements=base_placements, fsdp=fsdp)
 
     def get_sharding_rules(self, params):
         """Automatic rules for ``params`` in the paper's format: [(tuple of regexes, PartitionSpec)]."""

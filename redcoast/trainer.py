@@ -29,11 +29,14 @@ class Trainer:
     ``(loss, {name: scalar})``; ``params`` arrive in ``compute_dtype``. Parameter placement comes
     from ``params_sharding_rules`` (the paper's format) where given, automatic rules elsewhere.
     ``train_step_fn(state, batch, rng) -> (state, metrics)`` replaces the built-in step.
+    ``fsdp`` (on by default) also splits parameters and optimizer state over the data-parallel
+    axis (ZeRO-3), so each device holds about 1/device_count of them; ``fsdp=False`` keeps one
+    copy per data shard.
     """
 
     def __init__(self, deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
-                 compute_dtype=jnp.float32, train_step_fn=None):
+                 compute_dtype=jnp.float32, train_step_fn=None, fsdp=True):
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                               "positive integer.")
@@ -48,9 +51,10 @@ class Trainer:
 
         self.params_sharding_rules = params_sharding_rules
         self.train_step_fn = train_step_fn
+        self.fsdp = bool(fsdp)
         # A first plan from the shapes alone, so the parameters are placed (and trainer.params
         # usable) at once; the first batch refines it from the loss's traced data flow.
-        self.plan = deployer.get_sharding_plan(params, params_sharding_rules)
+        self.plan = deployer.get_sharding_plan(params, params_sharding_rules, fsdp=self.fsdp)
         self._plan_final = False
         param_shardings = self.plan.param_shardings()
         # The step donates its state, which must never delete the caller's arrays, and
@@ -112,7 +116,7 @@ class Trainer:
             placements = None
             source = f"shapes and order only (the data-flow analysis failed: {type(e).__name__}: {e})"
         plan = self.deployer.get_sharding_plan(state.params, self.params_sharding_rules,
-                                               base_placements=placements)
+                                               base_placements=placements, fsdp=self.fsdp)
         if not plan.same_placement(self.plan):
             self.plan = plan
             self._compile_steps()

@@ -4,6 +4,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .auto import auto_placements
+from .fsdp import fsdp_placements
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
 from .rules import (Placement, check_rules_format, check_spec_fits, first_matching_rule,
@@ -13,9 +14,10 @@ from .rules import (Placement, check_rules_format, check_spec_fits, first_matchi
 class ShardingPlan:
     """Where every parameter (and optimizer-state leaf) of a model lives on the mesh."""
 
-    def __init__(self, params, mesh, user_rules=None, base_placements=None):
+    def __init__(self, params, mesh, user_rules=None, base_placements=None, fsdp=False):
         """``base_placements`` (e.g. from the data-flow analysis) replace the structural rules
-        that read only the shapes; user rules override either."""
+        that read only the shapes; user rules override either. ``fsdp`` also splits large
+        tensors over 'dp' (see fsdp.py)."""
         self.mesh = mesh
         self.axis_sizes = dict(mesh.shape)
         n_model_shards = self.axis_sizes.get("mp", 1)
@@ -23,6 +25,8 @@ class ShardingPlan:
         if user_rules:
             check_rules_format(user_rules)
             placements = [self._apply_user_rule(pl, user_rules) for pl in placements]
+        if fsdp:
+            placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1))
         self.placements = placements
         by_path = {pl.path: pl.spec for pl in placements}
         self.param_specs = jax.tree_util.tree_map_with_path(

@@ -1,0 +1,47 @@
+"""FSDP (ZeRO-3): parameters, and with them optimizer state, also split over the 'dp' axis.
+
+Applied after the tensor-parallel plan (automatic and user rules) is final: every large tensor
+gets 'dp' on one more dimension, the largest one not already split that the data-parallel size
+divides, so a device keeps about 1/device_count of it instead of 1/n_model_shards. XLA
+all-gathers a parameter where the step uses it and reduce-scatters its gradient; the batch stays
+split over 'dp' as before. Small tensors (biases, norms) stay replicated over 'dp': splitting
+them saves little memory and costs one collective each.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from .rules import _as_tuple
+
+DP = "dp"
+MIN_BYTES = 64 * 1024  # tensors smaller than this stay replicated over 'dp'
+
+
+def fsdp_placements(placements, n_data_shards, min_bytes=MIN_BYTES):
+    """The placements with 'dp' added to one dimension of every tensor of ``min_bytes`` or more.
+
+    A spec that already names 'dp' (a user rule) is kept as written; with one data shard
+    nothing changes.
+    """
+    if n_data_shards <= 1:
+        return list(placements)
+    return [_add_dp(pl, n_data_shards, min_bytes) for pl in placements]
+
+
+def _add_dp(pl, n, min_bytes):
+    spec = list(pl.spec) + [None] * (len(pl.shape) - len(pl.spec))
+    if any(DP in _as_tuple(axes) for axes in spec):
+        return pl
+    nbytes = int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
+    if nbytes < min_bytes:
+        why = f"; replicated over dp ({nbytes:,} bytes < {min_bytes:,})"
+        return dataclasses.replace(pl, reason=pl.reason + why)
+    free = [d for d, axes in enumerate(spec) if axes is None and pl.shape[d] % n == 0]
+    if not free:
+        why = f"; replicated over dp (no unsplit dimension divisible by {n} data shards)"
+        return dataclasses.replace(pl, reason=pl.reason + why)
+    dim = max(free, key=lambda d: (pl.shape[d], -d))  # the largest; the first on a tie
+    spec[dim] = DP
+    why = f"; dim {dim} split over {n} data shards (FSDP)"
+    return dataclasses.replace(pl, spec=tuple(spec), reason=pl.reason + why)

@@ -1,0 +1,150 @@
+"""FSDP (ZeRO-3): parameters and optimizer state also split over 'dp', training unchanged."""
+
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from redcoast import Deployer, Trainer
+from redcoast.sharding.fsdp import MIN_BYTES, fsdp_placements
+from redcoast.sharding.rules import Placement, check_spec_fits
+from tiny_lm import assert_trees_close
+
+D, F = 128, 512  # kernels of 256 KiB: above the FSDP threshold; biases below it
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(F)(x))           # column-parallel: P(None, 'mp')
+        x = x + nn.Dense(D)(h)                # row-parallel: P('mp')
+        h = nn.gelu(nn.Dense(F)(x))
+        return nn.Dense(D)(h)
+
+
+def make():
+    model = MLP()
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, D)))["params"]
+    rs = np.random.RandomState(0)
+    examples = [(rs.randn(D).astype(np.float32), rs.randn(D).astype(np.float32)) for _ in range(64)]
+    return model, params, examples
+
+
+def collate(examples):
+    return {"x": np.stack([e[0] for e in examples]), "y": np.stack([e[1] for e in examples])}
+
+
+def loss(rng, state, params, batch, is_training):
+    return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+
+def fit(n_model_shards=2, accumulate=1, optimizer=OPTIMIZER, fsdp=True, n_steps=4, per_device=2):
+    model, params, examples = make()
+    deployer = Deployer(n_model_shards=n_model_shards, verbose=False)
+    trainer = Trainer(deployer, collate, model.apply, loss, params, optimizer,
+                      accumulate_grad_batches=accumulate, fsdp=fsdp)
+    step_size = per_device * deployer.n_data_shards * accumulate
+    examples = examples[:step_size * n_steps]
+    trainer.fit(examples, per_device, 1, shuffle=False)
+    assert trainer.step == n_steps
+    return trainer, model, params, examples, step_size
+
+
+def per_device_bytes(tree):
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def total_bytes(tree):
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def specs(tree):
+    return [x.sharding.spec for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_state_memory_per_device_is_about_total_over_device_count():
+    trainer = fit()[0]
+    state = (trainer.params, trainer.state.opt_state)
+    assert per_device_bytes(state) <= 1.15 * total_bytes(state) / 8
+    assert trainer.params["Dense_0"]["kernel"].sharding.spec == P("dp", "mp")  # (128, 512)
+    assert trainer.params["Dense_1"]["kernel"].sharding.spec == P("mp", "dp")  # (512, 128)
+    # the printed table counts the 'dp' split too
+    assert f"parameter bytes per device: {per_device_bytes(trainer.params):,}" in trainer.plan.table()
+
+
+@pytest.mark.parametrize("n_model_shards,accumulate", [(2, 1), (2, 2), (1, 1)])
+def test_fsdp_training_equals_single_device(n_model_shards, accumulate):
+    trainer, model, params, examples, step_size = fit(n_model_shards, accumulate)
+    assert any("dp" in str(s) for s in specs(trainer.params))
+
+    state = types.SimpleNamespace(apply_fn=model.apply)
+    opt_state = OPTIMIZER.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(lambda p: loss(None, state, p, batch, True))(params)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for i in range(len(examples) // step_size):
+        params, opt_state = step(params, opt_state, collate(examples[i * step_size:(i + 1) * step_size]))
+    assert_trees_close(trainer.params, params)
+
+
+def test_fsdp_false_gives_the_model_parallel_plan():
+    on, off = fit()[0], fit(fsdp=False)[0]
+    assert all("dp" not in str(s) for s in specs(off.params) + specs(off.state.opt_state))
+    strip = lambda s: P(*[None if a == "dp" else a for a in s])
+    from redcoast.sharding.rules import normalize_spec
+    assert [normalize_spec(strip(s)) for s in specs(on.params)] == specs(off.params)
+    # the deployer's default plan and rules stay the paper's mp-only ones
+    plan = off.deployer.get_sharding_plan(off.params)
+    assert all("dp" not in str(spec) for _, spec in off.deployer.get_sharding_rules(off.params))
+    assert all("dp" not in str(pl.spec) for pl in plan.placements)
+
+
+def test_small_tensors_stay_replicated_over_dp():
+    trainer = fit()[0]
+    for pl in trainer.plan.placements:
+        nbytes = int(np.prod(pl.shape)) * np.dtype(pl.dtype).itemsize
+        if nbytes < MIN_BYTES:
+            assert "dp" not in str(pl.spec) and "replicated over dp" in pl.reason, pl
+        else:
+            assert "dp" in str(pl.spec) and "FSDP" in pl.reason, pl
+
+
+def test_fsdp_placements_add_dp_to_one_free_dimension():
+    f32 = np.float32
+    pls = [Placement(("a",), (128, 512), f32, P(None, "mp"), "col"),
+           Placement(("b",), (512, 256), f32, P("mp"), "row"),
+           Placement(("c",), (256, 512), f32, P(), "rep"),
+           Placement(("d",), (256, 512), f32, P("dp"), "user rule"),
+           Placement(("e",), (6, 512 * 32), f32, P(None, "mp"), "no free dim divides"),
+           Placement(("f",), (512,), f32, P("mp"), "small")]
+    out = {pl.path[0]: pl for pl in fsdp_placements(pls, 4)}
+    assert out["a"].spec == P("dp", "mp")
+    assert out["b"].spec == P("mp", "dp")
+    assert out["c"].spec == P(None, "dp")  # the larger dimension
+    assert out["d"] == pls[3]  # a user rule naming 'dp' is kept as written
+    assert out["e"].spec == P(None, "mp") and "no unsplit dimension" in out["e"].reason
+    assert out["f"].spec == P("mp") and "replicated over dp" in out["f"].reason
+    assert fsdp_placements(pls, 1) == pls
+
+
+@pytest.mark.parametrize("name,tx", [("adafactor", optax.adafactor(1e-3, min_dim_size_to_factor=8)),
+                                     ("adamw", optax.adamw(1e-3))])
+def test_optimizer_state_specs_divide_their_arrays(name, tx):
+    trainer = fit(optimizer=tx, n_steps=2)[0]
+    sizes = dict(trainer.deployer.mesh.shape)
+    leaves = jax.tree_util.tree_leaves_with_path(trainer.state.opt_state)
+    for path, leaf in leaves:
+        check_spec_fits(leaf.sharding.spec, leaf.shape, sizes, jax.tree_util.keystr(path))
+        assert np.all(np.isfinite(np.asarray(leaf)))
+    dp_leaves = [leaf for _, leaf in leaves if "dp" in str(leaf.sharding.spec)]
+    assert dp_leaves  # the large statistics (adafactor's factored rows, adam's moments) are split
