@@ -120,7 +120,8 @@ class Trainer:
         if not plan.same_placement(self.plan):
             self.plan = plan
             self._compile_steps()
-            self._state = jax.device_put(self._state, self._state_shardings)
+            # donate: the state moves, it is not copied (a model may fill the devices)
+            self._state = jax.device_put(self._state, self._state_shardings, donate=True)
         if self.deployer.verbose:
             self.deployer.log_info(self.plan.table(), title=f"Sharding plan (from {source})")
             self.deployer.log_info(self.plan.rules_source(), title="As params_sharding_rules:")
