@@ -8,7 +8,7 @@ shardings, and measure the live arrays (bytes of each array's shard on device 0)
   n_model_shards + bytes of those it replicates); 1.00 means every split is even.
 - 'state / (total/8)': parameter + optimizer-state bytes per device over their total / 8, without
   and with FSDP. FSDP runs here with no size threshold (``min_bytes=0``): every tensor of these
-  tiny models is below the Trainer's 64 KiB default, which would leave them all replicated over dp.
+  tiny models is below the Trainer's 1 MiB default, which would leave them all replicated over dp.
   With mp = 8 there is one data shard, so FSDP changes nothing.
 
     python benchmarks/memory.py [architecture ...]

@@ -15,7 +15,7 @@ from redcoast.sharding.fsdp import MIN_BYTES, fsdp_placements
 from redcoast.sharding.rules import Placement, check_spec_fits
 from tiny_lm import assert_trees_close
 
-D, F = 128, 512  # kernels of 256 KiB: above the FSDP threshold; biases below it
+D, F = 256, 1024  # kernels of 1 MiB: at the FSDP threshold; biases below it
 OPTIMIZER = optax.sgd(0.1, momentum=0.9)
 
 
@@ -72,8 +72,8 @@ def test_state_memory_per_device_is_about_total_over_device_count():
     trainer = fit()[0]
     state = (trainer.params, trainer.state.opt_state)
     assert per_device_bytes(state) <= 1.15 * total_bytes(state) / 8
-    assert trainer.params["Dense_0"]["kernel"].sharding.spec == P("dp", "mp")  # (128, 512)
-    assert trainer.params["Dense_1"]["kernel"].sharding.spec == P("mp", "dp")  # (512, 128)
+    assert trainer.params["Dense_0"]["kernel"].sharding.spec == P("dp", "mp")  # (256, 1024)
+    assert trainer.params["Dense_1"]["kernel"].sharding.spec == P("mp", "dp")  # (1024, 256)
     # the printed table counts the 'dp' split too
     assert f"parameter bytes per device: {per_device_bytes(trainer.params):,}" in trainer.plan.table()
 
@@ -127,14 +127,14 @@ def test_fsdp_placements_add_dp_to_one_free_dimension():
            Placement(("d",), (256, 512), f32, P("dp"), "user rule"),
            Placement(("e",), (6, 512 * 32), f32, P(None, "mp"), "no free dim divides"),
            Placement(("f",), (512,), f32, P("mp"), "small")]
-    out = {pl.path[0]: pl for pl in fsdp_placements(pls, 4)}
+    out = {pl.path[0]: pl for pl in fsdp_placements(pls, 4, min_bytes=64 * 1024)}
     assert out["a"].spec == P("dp", "mp")
     assert out["b"].spec == P("mp", "dp")
     assert out["c"].spec == P(None, "dp")  # the larger dimension
     assert out["d"] == pls[3]  # a user rule naming 'dp' is kept as written
     assert out["e"].spec == P(None, "mp") and "no unsplit dimension" in out["e"].reason
     assert out["f"].spec == P("mp") and "replicated over dp" in out["f"].reason
-    assert fsdp_placements(pls, 1) == pls
+    assert fsdp_placements(pls, 1, min_bytes=64 * 1024) == pls
 
 
 @pytest.mark.parametrize("name,tx", [("adafactor", optax.adafactor(1e-3, min_dim_size_to_factor=8)),

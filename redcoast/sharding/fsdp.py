@@ -15,7 +15,10 @@ import numpy as np
 from .rules import _as_tuple
 
 DP = "dp"
-MIN_BYTES = 64 * 1024  # tensors smaller than this stay replicated over 'dp'
+# Tensors smaller than this stay replicated over 'dp'. Each split tensor costs an all-gather
+# and a reduce-scatter per step; below 1 MiB the memory saved does not pay for them (measured on
+# 8 simulated CPU devices: a 0.7 M-parameter model with a 64 KiB threshold ran 2x slower).
+MIN_BYTES = 1024 * 1024
 
 
 def fsdp_placements(placements, n_data_shards, min_bytes=MIN_BYTES):
