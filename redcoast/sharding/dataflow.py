@@ -225,12 +225,7 @@ class _Analysis:
             return getattr(self, "op_" + name)(eqn, ins)
         handler = getattr(self, "op_" + name.replace("-", "_"), None)
         if handler is not None:
-            self.tainted_now = any(self._tainted(s) for s in ins)
-            self.taint_out = self.clean_out = False
-            outs = handler(eqn, ins)
-            if (self.tainted_now or self.taint_out) and not self.clean_out:
-                outs = [dataclasses.replace(o, tainted=True) if isinstance(o, Rep) else o for o in outs]
-            return outs
+            return self._run_handler(handler, eqn, ins)
         sub = None
         for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
             if key in eqn.params and eqn.params[key] is not None:
@@ -241,6 +236,10 @@ class _Analysis:
             if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
                 return self.eval_closed(sub, ins)
         handler = self.elementwise_op if len(eqn.outvars) == 1 and self._elementwise(eqn) else self.unknown_op
+        return self._run_handler(handler, eqn, ins)
+
+    def _run_handler(self, handler, eqn, ins):
+        """Run one op's handler; replicated outputs of tainted inputs stay tainted."""
         self.tainted_now = any(self._tainted(s) for s in ins)
         self.taint_out = self.clean_out = False
         outs = handler(eqn, ins)
