@@ -247,18 +247,16 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def _state_arrays(self):
-        s = self._state
-        return {"step": s.step, "params": s.params, "opt_state": s.opt_state,
-                "nonfinite_step": s.nonfinite_step}
+    @staticmethod
+    def _saved_part(state):
+        """What a checkpoint holds of a TrainState (of arrays, or of their shardings)."""
+        return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+                "nonfinite_step": state.nonfinite_step}
 
     def _abstract_state(self):
-        shardings = self._state_shardings
-        targets = {"step": shardings.step, "params": shardings.params,
-                   "opt_state": shardings.opt_state, "nonfinite_step": shardings.nonfinite_step}
         return jax.tree_util.tree_map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-            self._state_arrays(), targets)
+            self._saved_part(self._state), self._saved_part(self._state_shardings))
 
     def save_checkpoint(self, store, epoch, position, config=None):
         """Start saving the full training state to ``store`` (a :class:`CheckpointStore`)."""
@@ -267,7 +265,7 @@ class Trainer:
                 "train_rng": key_to_json(to_host(self._train_rng)),
                 "eval_rng": key_to_json(to_host(self._eval_rng)),
                 "best": dict(self._best), "config": config or {}}
-        store.save(self._host_step, self._state_arrays(), meta)
+        store.save(self._host_step, self._saved_part(self._state), meta)
         return meta
 
     def restore_checkpoint(self, store):
@@ -332,46 +330,37 @@ class Trainer:
             if store is not None:
                 self.save_checkpoint(store, epoch, position, config)
 
+        multi_process = jax.process_count() > 1
+        evaluation = (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn)
         try:
-            self._run_epochs(train_examples, per_device_batch_size, n_epochs, n_steps, shuffle,
-                             log_every_n_steps, start_epoch, start_position, save,
-                             save_every_n_steps, save_every_k_epochs, save_last_ckpt, store,
-                             (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn),
-                             save_min, save_max, workdir, config)
+            with PreemptionGuard() as guard:
+                def after_step(position):
+                    if save_every_n_steps and self._host_step % save_every_n_steps == 0:
+                        save(epoch, position)
+                    # one process alone may get the signal: agree at the logging interval
+                    check = position % log_every_n_steps == 0 or position == n_steps or not multi_process
+                    return check and guard.requested_anywhere()
+
+                for epoch in range(start_epoch, n_epochs):
+                    position = start_position if epoch == start_epoch else 0
+                    if position < n_steps:
+                        position = self.train(train_examples, per_device_batch_size, epoch=epoch,
+                                              shuffle=shuffle, desc=f"epoch {epoch + 1}/{n_epochs}",
+                                              log_every_n_steps=log_every_n_steps,
+                                              start_position=position, after_step=after_step)
+                    if position < n_steps:  # stopped by a signal
+                        self._stop_for_preemption(store, guard, epoch, position, config)
+                    results = self._evaluate_epoch(*evaluation, epoch, n_epochs)
+                    self._save_best(results, epoch, save_min, save_max, workdir, config)
+                    if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:
+                        save(epoch + 1, 0)
+                    if guard.requested_anywhere():
+                        self._stop_for_preemption(store, guard, epoch + 1, 0, config)
+                if save_last_ckpt:
+                    save(n_epochs, 0)
         finally:  # whatever happened, finish writing the checkpoints already started
             if store is not None:
                 store.close()
-
-    def _run_epochs(self, train_examples, per_device_batch_size, n_epochs, n_steps, shuffle,
-                    log_every_n_steps, start_epoch, start_position, save, save_every_n_steps,
-                    save_every_k_epochs, save_last_ckpt, store, evaluation, save_min, save_max,
-                    workdir, config):
-        multi_process = jax.process_count() > 1
-        with PreemptionGuard() as guard:
-            def after_step(position):
-                if save_every_n_steps and self._host_step % save_every_n_steps == 0:
-                    save(epoch, position)
-                # one process alone may get the signal: agree at the logging interval
-                check = (position % log_every_n_steps == 0 or position == n_steps) if multi_process else True
-                return check and guard.requested_anywhere()
-
-            for epoch in range(start_epoch, n_epochs):
-                position = start_position if epoch == start_epoch else 0
-                if position < n_steps:
-                    position = self.train(train_examples, per_device_batch_size, epoch=epoch,
-                                          shuffle=shuffle, desc=f"epoch {epoch + 1}/{n_epochs}",
-                                          log_every_n_steps=log_every_n_steps,
-                                          start_position=position, after_step=after_step)
-                if position < n_steps:  # stopped by a signal
-                    self._stop_for_preemption(store, guard, epoch, position, config)
-                results = self._evaluate_epoch(*evaluation, epoch, n_epochs)
-                self._save_best(results, epoch, save_min, save_max, workdir, config)
-                if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:
-                    save(epoch + 1, 0)
-                if guard.requested_anywhere():
-                    self._stop_for_preemption(store, guard, epoch + 1, 0, config)
-            if save_last_ckpt:
-                save(n_epochs, 0)
 
     def _stop_for_preemption(self, store, guard, epoch, position, config):
         if store is not None:

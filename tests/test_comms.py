@@ -1,10 +1,8 @@
 """The collective parser on programs with a known number of collectives."""
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 

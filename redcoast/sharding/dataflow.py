@@ -308,7 +308,7 @@ class _Analysis:
         for p in pars:
             pa = p.axes[a]
             if pa is not None:
-                self.decide(p.leaf, pa, "follow", f"added to a split output")
+                self.decide(p.leaf, pa, "follow", "added to a split output")
         return Split(a, origins)
 
     def _bytes(self, leaves):
@@ -778,7 +778,6 @@ class _Analysis:
     # ---- the result ----------------------------------------------------------------------------
     def placement(self, leaf):
         """(parameter axis or None, reason)."""
-        n = self.n
         shape = self.shapes[leaf]
         if leaf in self.final:
             return None, "replicated: " + self.final[leaf]
