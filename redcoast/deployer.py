@@ -10,6 +10,7 @@ from .export import save_params
 from .logs import RunLogger
 from .schedules import make_lr_schedule, n_updates_per_epoch
 from .sharding import ShardingPlan
+from .sharding.dataflow import DataflowError, dataflow_placements
 
 
 class Deployer:
@@ -78,9 +79,19 @@ class Deployer:
                                 end_learning_rate=end_learning_rate)
 
     def get_sharding_plan(self, params, params_sharding_rules=None, base_placements=None,
-                          fsdp=False):
+                          fsdp=False, traced_fn=None, example_args=()):
         """The placement of every parameter on this mesh (printable with ``.table()``);
-        ``fsdp=True`` also splits large tensors over 'dp' (ZeRO-3), as the Trainer does."""
+        ``fsdp=True`` also splits large tensors over 'dp' (ZeRO-3), as the Trainer does.
+
+        With ``traced_fn`` (``traced_fn(params, *example_args)``, e.g. a forward pass on
+        ``jax.ShapeDtypeStruct`` inputs) the plan follows its data flow; without, or when it
+        cannot be traced, the plan comes from shapes and order alone."""
+        if base_placements is None and traced_fn is not None:
+            try:
+                base_placements = dataflow_placements(traced_fn, params, *example_args,
+                                                      n_model_shards=self.n_model_shards)
+            except DataflowError as e:
+                self.log_warning(f"sharding from shapes only: {e}")
         return ShardingPlan(params, self.mesh, user_rules=params_sharding_rules,
                             base_placements=base_placements, fsdp=fsdp)
 

@@ -1,0 +1,175 @@
+"""Hugging Face folders: config.json plus safetensors weights, read slice by slice and written back.
+
+Each parameter is placed with ``jax.make_array_from_callback``: every device asks for its own slice
+and only that slice is read from the file (safetensors maps the file; a slice read touches only
+its bytes), so the whole model is never materialised on one device. A tensor stored transposed
+relative to redcoast's layout (PyTorch's ``nn.Linear`` keeps (out, in)) is read by transposing the
+slice request, not the tensor.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ConfigError
+from ..host import to_host
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def local_folder(path):
+    """``path`` as an existing local folder, or a clear error (nothing is downloaded)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    looks_like_hub_name = path.count("/") == 1 and not os.path.exists(os.path.dirname(path) or ".")
+    hint = (f" '{path}' looks like a model hub name; redcoast reads weights from disk only and never "
+            "downloads at run time. Download it elsewhere (e.g. `hf download "
+            f"{path} --local-dir DIR`) and pass DIR." if looks_like_hub_name or "/" in path else "")
+    raise ConfigError(f"'{path}' is not a local folder.{hint}")
+
+
+def read_config(folder):
+    """The folder's config.json as a dict."""
+    path = os.path.join(local_folder(folder), "config.json")
+    if not os.path.exists(path):
+        raise ConfigError(f"{folder} has no config.json; a Hugging Face model folder needs one.")
+    with open(path) as f:
+        return json.load(f)
+
+
+class SafetensorsFolder:
+    """The tensors of one folder: ``model.safetensors`` or a sharded index of several files."""
+
+    def __init__(self, folder):
+        from safetensors import safe_open
+
+        self.folder = local_folder(folder)
+        index = os.path.join(self.folder, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.exists(os.path.join(self.folder, SINGLE_FILE)):
+            weight_map = None
+        else:
+            raise ConfigError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; redcoast "
+                              "reads safetensors weights only (convert .bin files with "
+                              "transformers' save_pretrained(safe_serialization=True)).")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        self._handles = {name: safe_open(os.path.join(self.folder, name), framework="numpy")
+                         for name in files}
+        if weight_map is None:
+            weight_map = {key: SINGLE_FILE for key in self._handles[SINGLE_FILE].keys()}
+        self._file_of = weight_map
+
+    def names(self):
+        return list(self._file_of)
+
+    def __contains__(self, name):
+        return name in self._file_of
+
+    def _slice(self, name):
+        if name not in self._file_of:
+            raise ConfigError(f"tensor {name!r} is missing from {self.folder}")
+        return self._handles[self._file_of[name]].get_slice(name)
+
+    def shape(self, name):
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name, index=None):
+        """The tensor (or ``index``, a tuple of slices, of it) as a numpy array."""
+        sl = self._slice(name)
+        if index is None:
+            index = tuple(slice(None) for _ in sl.get_shape())
+        return np.asarray(sl[tuple(index)])
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one parameter comes from: a stored tensor, possibly transposed (2-D only)."""
+
+    name: str
+    transpose: bool = False
+
+
+def load_array(reader, source, shape, sharding, dtype):
+    """One parameter as a ``jax.Array`` placed with ``sharding``; each device reads its slice."""
+    stored = reader.shape(source.name)
+    expected = tuple(reversed(shape)) if source.transpose else tuple(shape)
+    if stored != expected:
+        raise ConfigError(f"tensor {source.name!r} has shape {stored}, the config implies {expected}; "
+                          "the folder's config.json does not describe its weights.")
+
+    def slice_for(index):
+        if source.transpose:
+            return reader.read(source.name, tuple(reversed(index))).T.astype(dtype)
+        return reader.read(source.name, index).astype(dtype)
+
+    return jax.make_array_from_callback(tuple(shape), sharding, slice_for)
+
+
+def load_params(reader, sources, abstract_params, shardings=None, dtype=None):
+    """Params shaped like ``abstract_params`` filled from ``reader``.
+
+    ``sources`` mirrors ``abstract_params`` with a :class:`Source` per leaf; ``shardings``
+    mirrors it with a ``jax.sharding.Sharding`` per leaf (default: the first local device).
+    """
+    if shardings is None:
+        device = jax.local_devices()[0]
+        shardings = jax.tree_util.tree_map(
+            lambda _: jax.sharding.SingleDeviceSharding(device), abstract_params)
+    is_source = lambda x: isinstance(x, Source)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda src, a, s: load_array(reader, src, a.shape, s, np.dtype(dtype or a.dtype)),
+        sources, abstract_params, shardings, is_leaf=is_source)
+
+
+def save_folder(folder, config, tensors, max_shard_bytes=None):
+    """Write ``config`` (dict) and ``tensors`` (name -> array, any placement) as a Hugging Face folder.
+
+    Every process must call it (sharded arrays are gathered one at a time); process 0 writes.
+    Files appear complete: each is written under a temporary name and renamed.
+    """
+    from safetensors.numpy import save_file
+
+    host = {}
+    for name, value in tensors.items():
+        array = to_host(value) if isinstance(value, jax.Array) else value
+        if array.dtype == jnp.bfloat16:  # safetensors' numpy API has no bf16: keep it exact
+            array = np.asarray(array, np.float32)
+        host[name] = np.ascontiguousarray(array)
+    if jax.process_index() != 0:
+        return
+    os.makedirs(folder, exist_ok=True)
+    groups = [dict(host)]
+    if max_shard_bytes:
+        groups, size = [{}], 0
+        for name, array in host.items():
+            if groups[-1] and size + array.nbytes > max_shard_bytes:
+                groups.append({})
+                size = 0
+            groups[-1][name] = array
+            size += array.nbytes
+    names = ([SINGLE_FILE] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    for name, group in zip(names, groups):
+        tmp = os.path.join(folder, f".{name}.tmp")
+        save_file(group, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(folder, name))
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(a.nbytes for a in host.values())},
+                 "weight_map": {t: n for n, g in zip(names, groups) for t in g}}
+        _write_json(os.path.join(folder, INDEX_FILE), index)
+    _write_json(os.path.join(folder, "config.json"), config)
+
+
+def _write_json(path, obj):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
