@@ -1,0 +1,7 @@
+"""Reference models (Llama family, GPT-2, T5, BERT) with Hugging Face and GGUF weights, and
+generation. Depends on Flax; redcoast's core never imports it."""
+
+from .base import Model
+from .pretrained import from_pretrained, save_pretrained
+
+__all__ = ["Model", "from_pretrained", "save_pretrained"]

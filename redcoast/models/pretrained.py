@@ -1,0 +1,97 @@
+"""``from_pretrained`` / ``save_pretrained`` for every model family in redcoast.models.
+
+A family is a module (``redcoast.models.llama``, ...) that provides:
+
+- ``Config``: a dataclass with ``Config.from_hf(dict)`` and ``config.to_hf() -> dict`` (the
+  Hugging Face config.json, ``model_type`` and ``architectures`` included);
+- ``MODULES``: {Hugging Face architecture name: NNX module class}, and ``DEFAULT_MODULE``;
+- ``hf_sources(config, module_cls)``: a pytree of :class:`redcoast.models.hf.Source` mirroring
+  ``Model(module_cls, config).abstract_params()``: which stored tensor fills each parameter;
+- ``example_inputs(config, module_cls)``: abstract positional inputs of the module's
+  ``__call__`` (``jax.ShapeDtypeStruct``), traced to derive the sharding plan.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import ConfigError
+from . import hf
+from .base import Model
+
+# model_type in config.json -> the family module that reads it
+FAMILIES = {
+    "llama": "redcoast.models.llama",
+    "mistral": "redcoast.models.llama",
+    "qwen2": "redcoast.models.llama",
+    "gpt2": "redcoast.models.gpt2",
+    "bert": "redcoast.models.bert",
+    "t5": "redcoast.models.t5",
+}
+
+
+def family_of(model_type):
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type {model_type!r} is not supported; redcoast.models reads "
+                          f"{sorted(FAMILIES)}.")
+    return importlib.import_module(FAMILIES[model_type])
+
+
+def module_class(family, config_dict, architecture=None):
+    names = [architecture] if architecture else list(config_dict.get("architectures") or [])
+    for name in names:
+        if name in family.MODULES:
+            return family.MODULES[name]
+    if architecture:
+        raise ConfigError(f"architecture {architecture!r} is not one of {sorted(family.MODULES)}")
+    return family.DEFAULT_MODULE
+
+
+def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.float32,
+                    architecture=None, fsdp=False, config_overrides=None):
+    """``(model, params)`` from a local Hugging Face folder (config.json + safetensors).
+
+    With a ``deployer``, each parameter is placed straight into its shards on the deployer's
+    mesh by the plan traced from the model's forward pass (the plan the Trainer would choose;
+    ``fsdp=True`` also splits over 'dp'); each device reads only its slice of each tensor.
+    Without one, everything goes to the first local device. ``config_overrides`` replaces
+    fields of the parsed config (e.g. ``{"remat": True, "dtype": jnp.bfloat16}``).
+    """
+    config_dict = hf.read_config(folder)
+    family = family_of(config_dict.get("model_type"))
+    config = family.Config.from_hf(config_dict)
+    if config_overrides:
+        import dataclasses
+
+        config = dataclasses.replace(config, **config_overrides)
+    module_cls = module_class(family, config_dict, architecture)
+    model = Model(module_cls, config, param_dtype=param_dtype)
+    abstract = model.abstract_params()
+    if shardings is None and deployer is not None:
+        plan = deployer.get_sharding_plan(abstract, fsdp=fsdp, traced_fn=model.apply,
+                                          example_args=family.example_inputs(config, module_cls))
+        shardings = plan.param_shardings()
+    reader = hf.SafetensorsFolder(folder)
+    params = hf.load_params(reader, family.hf_sources(config, module_cls), abstract, shardings)
+    return model, params
+
+
+def hf_tensors(model, params):
+    """``{stored name: array}`` in the Hugging Face layout (transposes undone lazily per tensor)."""
+    family = family_of(model.config.to_hf()["model_type"])
+    sources = family.hf_sources(model.config, model.module_cls)
+    is_source = lambda x: isinstance(x, hf.Source)  # noqa: E731
+    out = {}
+    for src, value in zip(jax.tree_util.tree_leaves(sources, is_leaf=is_source),
+                          jax.tree_util.tree_leaves(params)):
+        out[src.name] = value.T if src.transpose else value
+    return out
+
+
+def save_pretrained(model, params, folder, max_shard_bytes=None):
+    """Write a folder that transformers (PyTorch) loads with ``from_pretrained(folder)``.
+
+    Call it on every process; process 0 writes. Tied weights are stored once."""
+    tensors = hf_tensors(model, params)
+    hf.save_folder(folder, model.config.to_hf(), tensors, max_shard_bytes=max_shard_bytes)
