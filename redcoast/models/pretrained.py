@@ -58,7 +58,16 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
     Without one, everything goes to the first local device. ``config_overrides`` replaces
     fields of the parsed config (e.g. ``{"remat": True, "dtype": jnp.bfloat16}``).
     """
-    config_dict = hf.read_config(folder)
+    return from_reader(hf.read_config(folder), hf.SafetensorsFolder(folder), deployer,
+                       shardings=shardings, param_dtype=param_dtype, architecture=architecture,
+                       fsdp=fsdp, config_overrides=config_overrides)
+
+
+def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dtype=jnp.float32,
+                architecture=None, fsdp=False, config_overrides=None):
+    """``(model, params)`` from a config.json dict and a tensor ``reader`` (``.shape(name)``,
+    ``.read(name, index)`` over Hugging Face tensor names), placed as :func:`from_pretrained`
+    does; GGUF files come through here too."""
     family = family_of(config_dict.get("model_type"))
     config = family.Config.from_hf(config_dict)
     if config_overrides:
@@ -72,7 +81,6 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
         plan = deployer.get_sharding_plan(abstract, fsdp=fsdp, traced_fn=model.apply,
                                           example_args=family.example_inputs(config, module_cls))
         shardings = plan.param_shardings()
-    reader = hf.SafetensorsFolder(folder)
     params = hf.load_params(reader, family.hf_sources(config, module_cls), abstract, shardings)
     return model, params
 
