@@ -7,6 +7,7 @@ relative to redcoast's layout (PyTorch's ``nn.Linear`` keeps (out, in)) is read 
 slice request, not the tensor.
 """
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -91,14 +92,27 @@ class SafetensorsFolder:
 
 @dataclass(frozen=True)
 class Source:
-    """Where one parameter comes from: a stored tensor, possibly transposed (2-D only)."""
+    """Where one parameter comes from: a stored tensor, possibly transposed (2-D only).
+
+    ``aliases`` are other names the same tensor is stored under in some folders (e.g. BERT's
+    "bert." prefix); the first name present is read, ``name`` is the one written."""
 
     name: str
     transpose: bool = False
+    aliases: tuple = ()
+
+
+def stored_name(reader, source):
+    """The name under which ``reader`` holds ``source`` (``source.name`` when none matches)."""
+    for name in (source.name, *source.aliases) if source.aliases else ():
+        if name in reader:
+            return name
+    return source.name
 
 
 def load_array(reader, source, shape, sharding, dtype):
     """One parameter as a ``jax.Array`` placed with ``sharding``; each device reads its slice."""
+    source = dataclasses.replace(source, name=stored_name(reader, source), aliases=())
     stored = reader.shape(source.name)
     expected = tuple(reversed(shape)) if source.transpose else tuple(shape)
     if stored != expected:
