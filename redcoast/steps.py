@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from .errors import LossError
+from .sharding.dataflow import fuse_sibling_matmuls
 
 
 def cast_floating(tree, dtype):
@@ -52,16 +53,30 @@ def split_loss_output(output):
     return loss.astype(jnp.float32), out_metrics
 
 
-def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None):
+def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
+                    fuse_matmuls=False):
     """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
 
     With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
     the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
-    the first step whose loss was not finite.
+    the first step whose loss was not finite. ``fuse_matmuls`` runs the loss with sibling matmuls
+    (Q/K/V, gate/up: one input, same-shaped weights) stacked into one, so that under tensor
+    parallelism the backward pass all-reduces their input gradient once, as Megatron-LM does.
     """
+    def training_loss(p, batch, rng, state):
+        return loss_fn(rng, state, cast_floating(p, compute_dtype), batch, True)
+
     def loss_and_grad(state, params, batch, rng):
         def objective(p):
-            return split_loss_output(loss_fn(rng, state, cast_floating(p, compute_dtype), batch, True))
+            if fuse_matmuls:
+                try:
+                    fused = fuse_sibling_matmuls(lambda p_, b_, r_: training_loss(p_, b_, r_, state))
+                    return split_loss_output(fused(p, batch, rng))
+                except LossError:
+                    raise
+                except Exception:  # noqa: BLE001 - a program the rewrite cannot run: as written
+                    pass
+            return split_loss_output(training_loss(p, batch, rng, state))
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return loss, metrics, grads
 

@@ -82,7 +82,8 @@ class Trainer:
             nonfinite_step=self._replicated, apply_fn=s.apply_fn, tx=s.tx)
         step_fn = self.train_step_fn or make_train_step(
             self.loss_fn, self.compute_dtype, self.accumulate_grad_batches,
-            grad_shardings=self._state_shardings.params)
+            grad_shardings=self._state_shardings.params,
+            fuse_matmuls=self.deployer.n_model_shards > 1)
         batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(
             step_fn,
@@ -156,6 +157,17 @@ class Trainer:
                 f"data shards x accumulate_grad_batches={self.accumulate_grad_batches}). Fix: use "
                 "a smaller batch size.")
         return n_steps
+
+    def compile_train_step(self, example_batch):
+        """The compiled training step for global batches shaped like ``example_batch`` (a dict
+        as ``collate_fn`` returns, with the micro-batch axis first when accumulating): read its
+        ``memory_analysis()`` or ``cost_analysis()``, or its collectives with
+        ``redcoast.comms.collective_report``. Fixes the sharding plan, as the first batch would."""
+        self._finalize_plan(jax.tree_util.tree_map(
+            lambda x: x[0] if self.accumulate_grad_batches > 1 else x, example_batch))
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                          example_batch)
+        return self._train_step.lower(self._state, abstract, self._train_rng).compile()
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
               log_every_n_steps=10, start_position=0, after_step=None):
