@@ -70,6 +70,8 @@ def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dty
     does; GGUF files come through here too."""
     family = family_of(config_dict.get("model_type"))
     config = family.Config.from_hf(config_dict)
+    if hasattr(family, "config_for_tensors"):  # when config.json alone does not say (T5's lm_head)
+        config = family.config_for_tensors(config, reader)
     if config_overrides:
         import dataclasses
 
