@@ -1,0 +1,283 @@
+"""Text generation with a KV cache: greedy, sampling (temperature, top-k, top-p) and beam search.
+
+Everything is pure JAX with fixed shapes, so :func:`generate` works inside a user's ``pred_fn``
+(which redcoast's Predictor jits with sharded parameters and a batch split over 'dp') and also
+when called directly, where it is jit-compiled once per model, setting and input shape.
+
+The prompt is prefilled in one call, then one token per step is decoded in a ``lax.while_loop``
+that stops as soon as every row has finished. Prompts are LEFT-padded (:func:`left_pad`), so
+every row's next token goes into the same cache slot.
+
+Encoder-decoder families reuse the loop through :func:`decode` with their own ``step_fn``.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..errors import ConfigError, DataError
+
+NEG = -1.0e9  # the score of a hypothesis that must not be chosen (finite: arithmetic on it stays exact)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """How tokens are chosen; hashable, so each setting is compiled once.
+
+    Build it with :meth:`make`, which checks every value."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: object = False  # True, False or "never", as in transformers
+    eos_token_id: tuple = ()
+    pad_token_id: int = 0
+
+    @classmethod
+    def make(cls, *, max_new_tokens, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
+             num_beams=1, length_penalty=1.0, early_stopping=False, eos_token_id=None,
+             pad_token_id=0):
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={max_new_tokens!r}; it must be a positive integer.")
+        if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
+            raise ConfigError(f"num_beams={num_beams!r}; it must be a positive integer (1 = no beams).")
+        if do_sample and not temperature > 0:
+            raise ConfigError(f"temperature={temperature!r} with do_sample=True; it must be > 0 "
+                              "(for the most likely token use do_sample=False).")
+        if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise ConfigError(f"top_k={top_k!r}; it must be an integer >= 0 (0 = no top-k filter).")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"top_p={top_p!r}; it must be in (0, 1] (1 = no nucleus filter).")
+        if early_stopping not in (True, False, "never"):
+            raise ConfigError(f"early_stopping={early_stopping!r}; use True, False or 'never'.")
+        if eos_token_id is None:
+            eos = ()
+        elif isinstance(eos_token_id, (int, np.integer)):
+            eos = (int(eos_token_id),)
+        else:
+            eos = tuple(int(e) for e in eos_token_id)
+        return cls(int(max_new_tokens), bool(do_sample), float(temperature), int(top_k),
+                   float(top_p), int(num_beams), float(length_penalty), early_stopping, eos,
+                   int(pad_token_id))
+
+
+def left_pad(token_lists, pad_id=0, length=None):
+    """``(input_ids, attention_mask)`` int32 numpy arrays [B, L] with each prompt at the right end.
+
+    ``length`` pads to a fixed width (fewer compilations); by default the longest prompt's."""
+    longest = max((len(t) for t in token_lists), default=0)
+    length = longest if length is None else int(length)
+    if longest > length:
+        raise DataError(f"a prompt has {longest} tokens, more than length={length}. Fix: raise "
+                        "length or truncate the prompts.")
+    ids = np.full((len(token_lists), length), pad_id, np.int32)
+    mask = np.zeros((len(token_lists), length), np.int32)
+    for row, tokens in enumerate(token_lists):
+        if len(tokens):
+            ids[row, length - len(tokens):] = tokens
+            mask[row, length - len(tokens):] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------- logits filters
+
+def top_k_filter(logits, k):
+    """``logits`` with everything below the k-th largest value of each row set to -inf (ties kept)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = lax.top_k(logits, k)[0][..., -1:]
+    return jnp.where(logits < kth, -jnp.inf, logits)
+
+
+def top_p_filter(logits, p):
+    """Nucleus filter: keep the most likely tokens whose probabilities sum to at least ``p``
+    (always at least one); the rest become -inf."""
+    if p >= 1.0:
+        return logits
+    ordered = -jnp.sort(-logits, axis=-1)  # descending
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
+    n_keep = jnp.sum(before < p, axis=-1, keepdims=True)  # >= 1: the first token has 0 before it
+    threshold = jnp.take_along_axis(ordered, n_keep - 1, axis=-1)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def warp(logits, cfg):
+    """Temperature, then top-k, then top-p (transformers' order)."""
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
+    return top_p_filter(top_k_filter(logits, cfg.top_k), cfg.top_p)
+
+
+def is_eos(tokens, cfg):
+    hit = jnp.zeros(tokens.shape, bool)
+    for e in cfg.eos_token_id:
+        hit = hit | (tokens == e)
+    return hit
+
+
+def row_keys(rng, n_rows):
+    """One key per row, each independent of the batch size (row r gets fold_in(rng, r))."""
+    return jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(n_rows))
+
+
+# ---------------------------------------------------------------------------- the decoding loop
+
+def decode(step_fn, params, logits, cache, key_mask, positions, cache_index, extra=None, *,
+           config, rng=None):
+    """Generate ``config.max_new_tokens`` tokens after a prefill: int32 [B, max_new_tokens].
+
+    The hook for every family (decoder-only and encoder-decoder):
+
+    - ``logits`` [B, V]: the prefill's prediction of the first new token;
+    - ``cache``: the model's KV cache after the prefill, every leaf with batch on axis 0;
+    - ``key_mask`` [B, S]: which cache slots hold (or will hold) real tokens; constant while
+      decoding, so the slots of the tokens still to come are already 1;
+    - ``positions`` [B] int32: the position of the first new token; ``cache_index``: its slot
+      (int32 scalar, the same for all rows);
+    - ``extra``: any per-row pytree (batch on axis 0) that ``step_fn`` needs, e.g. an encoder's
+      outputs and their mask; it is expanded to beams with the cache. Beam reordering only
+      moves hypotheses within one prompt's beams, and those share ``extra``, so it is not
+      reordered.
+    - ``step_fn(params, tokens[N, 1], positions[N, 1], key_mask, cache, cache_index, extra)``
+      -> ``(logits [N, V] (or [N, 1, V]), new_cache)`` runs one token per row.
+    """
+    if config.num_beams > 1:
+        from .beam import beam_search
+
+        return beam_search(step_fn, params, logits, cache, key_mask, positions, cache_index,
+                           extra, config=config, rng=rng)
+    return _sample_or_greedy(step_fn, params, logits, cache, key_mask, positions, cache_index,
+                             extra, config, rng)
+
+
+def last_logits(logits):
+    return logits[:, -1] if logits.ndim == 3 else logits
+
+
+def _sample_or_greedy(step_fn, params, logits, cache, key_mask, positions, cache_index, extra,
+                      cfg, rng):
+    batch, n_new = logits.shape[0], cfg.max_new_tokens
+    keys = row_keys(rng, batch) if cfg.do_sample else None
+
+    def choose(logits, i, finished):
+        logits = logits.astype(jnp.float32)
+        if cfg.do_sample:
+            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+            tokens = jax.vmap(jax.random.categorical)(step_keys, warp(logits, cfg))
+        else:
+            tokens = jnp.argmax(logits, axis=-1)
+        return jnp.where(finished, cfg.pad_token_id, tokens.astype(jnp.int32))
+
+    def write(out, finished, tokens, i):
+        out = lax.dynamic_update_slice(out, tokens[:, None], (0, i))
+        return out, finished | is_eos(tokens, cfg)
+
+    none_finished = jnp.zeros((batch,), bool)
+    out = jnp.full((batch, n_new), cfg.pad_token_id, jnp.int32)
+    out, finished = write(out, none_finished, choose(logits, 0, none_finished), 0)
+
+    def cond(carry):
+        i, _, finished, _ = carry
+        return (i < n_new) & ~jnp.all(finished)
+
+    def body(carry):
+        i, out, finished, cache = carry
+        previous = lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
+        logits, cache = step_fn(params, previous, (positions + i - 1)[:, None], key_mask, cache,
+                                cache_index + i - 1, extra)
+        out, finished = write(out, finished, choose(last_logits(logits), i, finished), i)
+        return i + 1, out, finished, cache
+
+    _, out, _, _ = lax.while_loop(cond, body, (jnp.int32(1), out, finished, cache))
+    return out
+
+
+# ---------------------------------------------------------------------------- decoder-only models
+
+def decoder_step(model):
+    """The ``step_fn`` of a decoder-only model that follows the KV-cache protocol."""
+    def step(params, tokens, positions, key_mask, cache, cache_index, extra):
+        logits, cache = model.apply(params, tokens, attention_mask=key_mask, positions=positions,
+                                    cache=cache, cache_index=cache_index)
+        return last_logits(logits), cache
+    return step
+
+
+def _generate(model, cfg, params, input_ids, attention_mask, rng):
+    batch, prompt_len = input_ids.shape
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    attention_mask = attention_mask.astype(jnp.int32)
+    total = prompt_len + cfg.max_new_tokens
+    cache = model.init_cache(batch, total, dtype=getattr(model.config, "dtype", jnp.float32))
+    # every slot after the prompt will hold a generated token (padding after EOS included)
+    key_mask = jnp.concatenate(
+        [attention_mask, jnp.ones((batch, cfg.max_new_tokens), jnp.int32)], axis=1)
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    logits, cache = model.apply(params, input_ids, attention_mask=key_mask, positions=positions,
+                                cache=cache, cache_index=jnp.int32(0))
+    next_position = jnp.sum(attention_mask, axis=1).astype(jnp.int32)
+    return decode(decoder_step(model), params, last_logits(logits), cache, key_mask,
+                  next_position, jnp.int32(prompt_len), config=cfg, rng=rng)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(model, cfg):
+    return jax.jit(functools.partial(_generate, model, cfg))
+
+
+def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, do_sample=False,
+             temperature=1.0, top_k=0, top_p=1.0, num_beams=1, length_penalty=1.0,
+             early_stopping=False, eos_token_id=None, pad_token_id=0, rng=None):
+    """New tokens for a batch of LEFT-padded prompts: int32 [B, max_new_tokens], each row padded
+    with ``pad_token_id`` after its first ``eos_token_id`` (an int or a list).
+
+    ``model`` is a :class:`redcoast.models.Model` of a decoder that follows the KV-cache
+    protocol; ``attention_mask`` [B, T] marks real prompt tokens (see :func:`left_pad`).
+
+    - greedy (default); ``do_sample=True`` samples with ``temperature``, ``top_k`` (0 = off)
+      and ``top_p`` (1 = off), one random stream per row drawn from ``rng``;
+    - ``num_beams > 1``: beam search scored as transformers does (sum of log-probabilities /
+      new length ** ``length_penalty``; ``early_stopping`` True, False or "never"); with
+      ``do_sample`` the beams are sampled. ``num_beams=1`` is greedy.
+
+    Inside a jitted function (a Predictor's ``pred_fn``) it is traced into it, with whatever
+    sharding the params and batch have; called directly, it is compiled once per model, setting
+    and shape.
+    """
+    cfg = SearchConfig.make(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+        top_p=top_p, num_beams=num_beams, length_penalty=length_penalty,
+        early_stopping=early_stopping, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if cfg.do_sample and rng is None:
+        raise ConfigError("do_sample=True needs rng=<a jax.random key> (a Predictor's pred_fn "
+                          "receives one as its first argument).")
+    if np.ndim(input_ids) != 2:
+        raise DataError(f"input_ids has shape {np.shape(input_ids)}; generate expects [batch, "
+                        "prompt length] (use left_pad to batch token lists).")
+    if attention_mask is not None:
+        if np.shape(attention_mask) != np.shape(input_ids):
+            raise DataError(f"attention_mask has shape {np.shape(attention_mask)}, input_ids "
+                            f"{np.shape(input_ids)}; they must match.")
+        _check_left_padded(attention_mask)
+    return _jitted(model, cfg)(params, jnp.asarray(input_ids), attention_mask, rng)
+
+
+def _check_left_padded(mask):
+    """A concrete mask whose last column has padding means right-padded prompts: say so."""
+    if isinstance(mask, jax.core.Tracer):
+        return  # inside a trace the values are unknown
+    mask = np.asarray(mask)
+    if mask.size and not mask[:, -1].all() and mask.any(axis=1).all():
+        raise DataError("attention_mask has padding in its last column: the prompts are padded on "
+                        "the right. Fix: pad them on the left (redcoast.models.generate.left_pad), "
+                        "so every row's next token goes into the same cache slot.")
