@@ -1,5 +1,7 @@
 """One run's environment: processes, device mesh, random streams, schedules, logging."""
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType
@@ -23,13 +25,25 @@ class Deployer:
 
     def __init__(self, jax_seed=0, n_model_shards=1, workdir=None, verbose=True,
                  run_tensorboard=False, wandb_init_kwargs=None, n_processes=None,
-                 host0_address=None, host0_port=None, process_id=None, n_local_devices=None):
+                 host0_address=None, host0_port=None, process_id=None, n_local_devices=None,
+                 memory_budget_bytes=None):
         self.cluster = distributed.initialize(
             n_processes=n_processes, host0_address=host0_address, host0_port=host0_port,
             process_id=process_id, n_local_devices=n_local_devices)
         self.jax_seed = int(jax_seed)
         self.workdir = workdir
         self.verbose = verbose
+        if isinstance(n_model_shards, str):
+            if n_model_shards != "auto":
+                raise ConfigError(f"n_model_shards={n_model_shards!r}; it must be a positive integer "
+                                  "or 'auto'.")
+            # Until the Trainer has measured its step on a first batch, the model is spread over
+            # every device: whatever the model, its placement then fits if anything does.
+            self.model_shards_pending = True
+            n_model_shards = jax.device_count()
+        else:
+            self.model_shards_pending = False
+        self.memory_budget_bytes = memory_budget_bytes
         self.mesh = make_mesh(n_model_shards)
         self._rng = jax.random.PRNGKey(self.jax_seed)
         self.logger = RunLogger(workdir=workdir, verbose=verbose, run_tensorboard=run_tensorboard,
@@ -37,7 +51,33 @@ class Deployer:
         self.log_info(
             f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
             f"process(es) ({distributed.describe(self.cluster)}); "
-            f"mesh dp={self.n_data_shards} x mp={self.n_model_shards}")
+            f"mesh dp={self.n_data_shards} x mp={self.n_model_shards}"
+            + (" until n_model_shards='auto' is settled at the first batch"
+               if self.model_shards_pending else ""))
+
+    def model_shard_candidates(self):
+        """Every valid n_model_shards on these devices, smallest first."""
+        n = jax.device_count()
+        return [d for d in range(1, n + 1) if n % d == 0]
+
+    def use_model_shards(self, n_model_shards):
+        """Rebuild the mesh with ``n_model_shards`` (how ``n_model_shards='auto'`` settles)."""
+        self.mesh = make_mesh(n_model_shards)
+        self.model_shards_pending = False
+
+    def device_memory_budget(self):
+        """Bytes one device may use: ``memory_budget_bytes`` if given, else the accelerator's
+        limit, else (CPU) the host's memory shared by its local devices."""
+        if self.memory_budget_bytes:
+            return int(self.memory_budget_bytes)
+        try:
+            stats = jax.local_devices()[0].memory_stats() or {}
+        except Exception:  # noqa: BLE001 - some backends do not report
+            stats = {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"])
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return host // jax.local_device_count()
 
     @property
     def n_model_shards(self):

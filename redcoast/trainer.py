@@ -70,6 +70,7 @@ class Trainer:
         self._train_rng = jax.device_put(deployer.gen_rng(), self._replicated)
         self._eval_rng = jax.device_put(deployer.gen_rng(), self._replicated)
         self._best = {}
+        self.model_shard_memory = {}  # filled when n_model_shards="auto" settles
         self._compile_steps()
 
     def _compile_steps(self):
@@ -96,21 +97,16 @@ class Trainer:
                           NamedSharding(mesh, P("dp")), self._replicated),
             out_shardings=self._replicated)
 
-    def _finalize_plan(self, example_batch):
-        """Replace the shape-based plan by one traced from ``loss_fn`` on ``example_batch``
-        (once, before the first step), move the state to it, and print the plan."""
-        if self._plan_final:
-            return
-        self._plan_final = True
-        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example_batch)
-        state = self._state
-        dtype = self.compute_dtype
+    def _traced_plan(self, abstract_batch):
+        """The plan traced from ``loss_fn`` on one (abstract) micro-batch, on the current mesh,
+        and where it came from."""
+        state, dtype = self._state, self.compute_dtype
 
         def traced_loss(params, batch):
             return self.loss_fn(jax.random.PRNGKey(0), state, cast_floating(params, dtype), batch, True)
 
         try:
-            placements = dataflow_placements(traced_loss, state.params, abstract,
+            placements = dataflow_placements(traced_loss, state.params, abstract_batch,
                                              n_model_shards=self.deployer.n_model_shards)
             source = "the traced data flow of loss_fn"
         except Exception as e:  # any model the analysis cannot follow keeps the shape rules
@@ -118,14 +114,78 @@ class Trainer:
             source = f"shapes and order only (the data-flow analysis failed: {type(e).__name__}: {e})"
         plan = self.deployer.get_sharding_plan(state.params, self.params_sharding_rules,
                                                base_placements=placements, fsdp=self.fsdp)
+        return plan, source
+
+    def _finalize_plan(self, example_batch):
+        """Replace the shape-based plan by one traced from ``loss_fn`` on ``example_batch``
+        (once, before the first step), move the state to it, and print the plan."""
+        if self._plan_final:
+            return
+        self._plan_final = True
+        plan, source = self._traced_plan(_abstract(example_batch))
         if not plan.same_placement(self.plan):
-            self.plan = plan
-            self._compile_steps()
-            # donate: the state moves, it is not copied (a model may fill the devices)
-            self._state = jax.device_put(self._state, self._state_shardings, donate=True)
+            self._move_to(plan)
         if self.deployer.verbose:
             self.deployer.log_info(self.plan.table(), title=f"Sharding plan (from {source})")
             self.deployer.log_info(self.plan.rules_source(), title="As params_sharding_rules:")
+
+    def _move_to(self, plan):
+        """Adopt ``plan`` (possibly on a new mesh): recompile, move the state and random keys."""
+        self.plan = plan
+        self._replicated = NamedSharding(self.deployer.mesh, P())
+        self._compile_steps()
+        # donate: the state moves, it is not copied (a model may fill the devices)
+        self._state = jax.device_put(self._state, self._state_shardings, donate=True)
+        self._train_rng = jax.device_put(self._train_rng, self._replicated)
+        self._eval_rng = jax.device_put(self._eval_rng, self._replicated)
+
+    def _first_batch(self, examples, order, per_device_batch_size):
+        """One micro-batch on the current mesh, for tracing and measuring the step."""
+        global_batch = self.deployer.global_batch_size(per_device_batch_size)
+        return BatchMaker(self.deployer.mesh, self.collate_fn, global_batch).make(
+            examples, order[:global_batch])
+
+    def _settle_model_shards(self, make_batch):
+        """For ``n_model_shards='auto'``: the fewest model shards whose compiled training step fits
+        a device's memory (``make_batch(global_batch_size)`` gives a first micro-batch)."""
+        deployer = self.deployer
+        if not deployer.model_shards_pending:
+            return
+        budget = deployer.device_memory_budget()
+        needs = self.model_shard_memory = {}  # n_model_shards -> bytes per device, as measured
+        for n in deployer.model_shard_candidates():
+            deployer.use_model_shards(n)
+            abstract = _abstract(make_batch())
+            self.plan, _ = self._traced_plan(abstract)
+            self._replicated = NamedSharding(deployer.mesh, P())
+            self._compile_steps()
+            needs[n] = self._step_bytes(abstract)
+            if needs[n] <= budget:
+                break
+        else:
+            raise ConfigError(
+                f"n_model_shards='auto': even split over all {n} devices the training step needs "
+                f"{_size(needs[n])} per device, over the budget of {_size(budget)}. Fix: a smaller "
+                "per_device_batch_size, accumulate_grad_batches, compute_dtype=jnp.bfloat16, "
+                "rematerialisation in the model, or more devices.")
+        tried = ", ".join(f"{k} shard(s) {_size(v)}" for k, v in needs.items())
+        deployer.log_info(f"n_model_shards='auto' chose {n} (mesh dp={deployer.n_data_shards} x "
+                          f"mp={n}): per-device memory of the compiled step: {tried}; budget "
+                          f"{_size(budget)}.")
+        self._plan_final = False
+        self._move_to(self.plan)
+
+    def _step_bytes(self, abstract_micro_batch):
+        """Peak bytes per device of the compiled training step (XLA's memory analysis)."""
+        k = self.accumulate_grad_batches
+        batch = abstract_micro_batch if k == 1 else jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), abstract_micro_batch)
+        state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                       self._state, self._state_shardings)
+        rng = jax.ShapeDtypeStruct(self._train_rng.shape, self._train_rng.dtype, sharding=self._replicated)
+        m = self._train_step.lower(state, batch, rng).compile().memory_analysis()
+        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                + m.temp_size_in_bytes)
 
     @property
     def state(self):
@@ -178,13 +238,13 @@ class Trainer:
         done); if it returns True the epoch stops there. Returns the position reached.
         """
         k = self.accumulate_grad_batches
+        order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
+        self._settle_model_shards(lambda: self._first_batch(examples, order, per_device_batch_size))
         global_batch = self.deployer.global_batch_size(per_device_batch_size)
         per_update = global_batch * k
         n_steps = self.updates_per_epoch(len(examples), per_device_batch_size)
-        order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
         if not self._plan_final:  # trace the loss on one micro-batch
-            first = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch)
-            self._finalize_plan(first.make(examples, order[:global_batch]))
+            self._finalize_plan(self._first_batch(examples, order, per_device_batch_size))
         maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch, micro_batches=k)
         batches = prefetch(maker.make(examples, order[i * per_update:(i + 1) * per_update])
                            for i in range(start_position, n_steps))
@@ -235,10 +295,16 @@ class Trainer:
 
     def _evaluate(self, examples, per_device_batch_size, desc=None):
         """Means over examples of the loss and metrics, every example counted exactly once."""
+        def first_batch():
+            global_batch = self.deployer.global_batch_size(per_device_batch_size)
+            return BatchMaker(self.deployer.mesh, self.collate_fn, global_batch).make(
+                examples, next(padded_batches(len(examples), global_batch))[0])
+
+        self._settle_model_shards(first_batch)
+        if not self._plan_final:
+            self._finalize_plan(first_batch())
         global_batch = self.deployer.global_batch_size(per_device_batch_size)
         maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch)
-        if not self._plan_final:
-            self._finalize_plan(maker.make(examples, next(padded_batches(len(examples), global_batch))[0]))
         batches = prefetch((maker.make(examples, idx), maker.padding_mask(n_real))
                            for idx, n_real in padded_batches(len(examples), global_batch))
         totals, count = None, 0.0
@@ -317,6 +383,8 @@ class Trainer:
         if wants_saving and workdir is None:
             raise ConfigError("Saving checkpoints needs a workdir. Fix: pass workdir=... to Deployer.")
         eval_bs = eval_per_device_batch_size or per_device_batch_size
+        order = epoch_order(len(train_examples), self.deployer.jax_seed, 0, shuffle)
+        self._settle_model_shards(lambda: self._first_batch(train_examples, order, per_device_batch_size))
         n_steps = self.updates_per_epoch(len(train_examples), per_device_batch_size)
         config = {"jax_seed": self.deployer.jax_seed, "n_model_shards": self.deployer.n_model_shards,
                   "n_data_shards": self.deployer.n_data_shards, "n_processes": jax.process_count(),
@@ -440,3 +508,11 @@ def _describe_nonfinite(history):
     losses = [float(m["loss"]) for m in history]
     bad = [x for x in losses if not math.isfinite(x)]
     return str(bad[0]) if bad else "NaN or inf"
+
+
+def _abstract(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _size(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
