@@ -95,11 +95,14 @@ class Source:
     """Where one parameter comes from: a stored tensor, possibly transposed (2-D only).
 
     ``aliases`` are other names the same tensor is stored under in some folders (e.g. BERT's
-    "bert." prefix); the first name present is read, ``name`` is the one written."""
+    "bert." prefix); the first name present is read, ``name`` is the one written. ``shape`` is
+    the stored shape when the parameter is the stored tensor reshaped (row-major), e.g. GPT-2's
+    fused (hidden, 3*hidden) Q/K/V kept as (hidden, 3, hidden) so that heads can be split."""
 
     name: str
     transpose: bool = False
     aliases: tuple = ()
+    shape: tuple = None
 
 
 def stored_name(reader, source):
@@ -115,16 +118,31 @@ def load_array(reader, source, shape, sharding, dtype):
     source = dataclasses.replace(source, name=stored_name(reader, source), aliases=())
     stored = reader.shape(source.name)
     expected = tuple(reversed(shape)) if source.transpose else tuple(shape)
+    if source.shape is not None:
+        expected = tuple(source.shape)
     if stored != expected:
         raise ConfigError(f"tensor {source.name!r} has shape {stored}, the config implies {expected}; "
                           "the folder's config.json does not describe its weights.")
 
     def slice_for(index):
+        if source.shape is not None:
+            return _read_reshaped(reader, source.name, stored, tuple(shape), index).astype(dtype)
         if source.transpose:
             return reader.read(source.name, tuple(reversed(index))).T.astype(dtype)
         return reader.read(source.name, index).astype(dtype)
 
     return jax.make_array_from_callback(tuple(shape), sharding, slice_for)
+
+
+def _read_reshaped(reader, name, stored, shape, index):
+    """``index`` of the stored tensor viewed as ``shape``: only the leading axes the two shapes
+    share can be sliced in the file, the rest is read whole, reshaped, then indexed."""
+    k = 0
+    while k < min(len(stored), len(shape)) and stored[k] == shape[k]:
+        k += 1
+    block = reader.read(name, tuple(index[:k]) + (slice(None),) * (len(stored) - k))
+    block = block.reshape(block.shape[:k] + shape[k:])
+    return block[(slice(None),) * k + tuple(index[k:])]
 
 
 def load_params(reader, sources, abstract_params, shardings=None, dtype=None):

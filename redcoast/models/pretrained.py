@@ -88,14 +88,15 @@ def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dty
 
 
 def hf_tensors(model, params):
-    """``{stored name: array}`` in the Hugging Face layout (transposes undone lazily per tensor)."""
+    """``{stored name: array}`` in the Hugging Face layout (transposes and reshapes undone)."""
     family = family_of(model.config.to_hf()["model_type"])
     sources = family.hf_sources(model.config, model.module_cls)
     is_source = lambda x: isinstance(x, hf.Source)  # noqa: E731
     out = {}
     for src, value in zip(jax.tree_util.tree_leaves(sources, is_leaf=is_source),
                           jax.tree_util.tree_leaves(params)):
-        out[src.name] = value.T if src.transpose else value
+        value = value.T if src.transpose else value
+        out[src.name] = value if src.shape is None else value.reshape(src.shape)
     return out
 
 

@@ -1,0 +1,242 @@
+"""GPT-2 (language-model head tied to the token embedding), with Hugging Face weights and a KV cache.
+
+Pre-LayerNorm decoder with learned positions and the tanh GELU. Hugging Face stores GPT-2's
+``Conv1D`` weights as (in, out), redcoast's kernel layout, so nothing is transposed. The fused
+Q/K/V projection ``c_attn`` is kept as one kernel of shape (hidden, 3, hidden): its last axis holds
+whole heads, so tensor parallelism splits it by heads (a 2-D (hidden, 3*hidden) kernel split on
+its columns would cut across Q, K and V instead).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from ..errors import ConfigError
+from . import hf
+
+ACTIVATIONS = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: Any = None  # None: 4 * n_embd
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    bos_token_id: Any = 50256
+    eos_token_id: Any = 50256
+    dtype: Any = jnp.float32
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.activation_function not in ACTIVATIONS:
+            raise ConfigError(f"activation_function {self.activation_function!r} is not "
+                              f"supported; use one of {sorted(ACTIVATIONS)}.")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}.")
+
+    @property
+    def inner_size(self):
+        return self.n_inner or 4 * self.n_embd
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf(cls, d):
+        if d.get("tie_word_embeddings", True) is False:
+            raise ConfigError("tie_word_embeddings=false: redcoast's GPT-2 ties its LM head to the "
+                              "token embedding, as every released GPT-2 does.")
+        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "remat"}
+        return cls(**{k: d[k] for k in names if k in d})
+
+    def to_hf(self):
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("dtype", "remat")}
+        return {**d, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "tie_word_embeddings": True}
+
+
+def _normal():
+    return nnx.initializers.normal(0.02)
+
+
+def _layer_norm(config, param_dtype, rngs):
+    # Two-pass variance: E[x^2] - E[x]^2 loses digits the reference keeps.
+    return nnx.LayerNorm(config.n_embd, epsilon=config.layer_norm_epsilon, dtype=config.dtype,
+                         param_dtype=param_dtype, use_fast_variance=False, rngs=rngs)
+
+
+def _linear(n_in, n_out, config, param_dtype, rngs):
+    return nnx.Linear(n_in, n_out, dtype=config.dtype, param_dtype=param_dtype, rngs=rngs,
+                      kernel_init=_normal())
+
+
+class FusedQKV(nnx.Module):
+    """x [B, T, hidden] -> q, k, v [B, T, heads, head_dim] from one (hidden, 3, hidden) kernel."""
+
+    def __init__(self, config, *, rngs, param_dtype=jnp.float32):
+        self.config = config
+        h = config.n_embd
+        self.kernel = nnx.Param(_normal()(rngs.params(), (h, 3, h), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((3, h), param_dtype))
+
+    def __call__(self, x):
+        c = self.config
+        qkv = jnp.einsum("btd,dce->btce", x.astype(c.dtype), self.kernel[...].astype(c.dtype))
+        qkv = qkv + self.bias[...].astype(c.dtype)
+        qkv = qkv.reshape(*x.shape[:2], 3, c.n_head, c.head_dim)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+class Attention(nnx.Module):
+    def __init__(self, config, layer_idx, *, rngs, param_dtype=jnp.float32):
+        self.config = config
+        self.c_attn = FusedQKV(config, rngs=rngs, param_dtype=param_dtype)
+        self.c_proj = _linear(config.n_embd, config.n_embd, config, param_dtype, rngs)
+        scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= layer_idx + 1
+        self.scale = scale
+
+    def __call__(self, x, mask, cache=None, cache_index=None):
+        q, k, v = self.c_attn(x)
+        if cache is not None:  # write this call's keys/values at their slots, attend over all
+            start = (0, cache_index, 0, 0)
+            cache = {"k": lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start),
+                     "v": lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)}
+            k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
+        a = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=self.scale)
+        return self.c_proj(a.reshape(*x.shape[:2], -1)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config, *, rngs, param_dtype=jnp.float32):
+        self.config = config
+        self.c_fc = _linear(config.n_embd, config.inner_size, config, param_dtype, rngs)
+        self.c_proj = _linear(config.inner_size, config.n_embd, config, param_dtype, rngs)
+
+    def __call__(self, x):
+        return self.c_proj(ACTIVATIONS[self.config.activation_function](self.c_fc(x)))
+
+
+class Block(nnx.Module):
+    def __init__(self, config, layer_idx, *, rngs, param_dtype=jnp.float32):
+        self.ln_1 = _layer_norm(config, param_dtype, rngs)
+        self.attn = Attention(config, layer_idx, rngs=rngs, param_dtype=param_dtype)
+        self.ln_2 = _layer_norm(config, param_dtype, rngs)
+        self.mlp = MLP(config, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, mask, cache=None, cache_index=None):
+        a, cache = self.attn(self.ln_1(x), mask, cache, cache_index)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), cache
+
+
+class GPT2LMHeadModel(nnx.Module):
+    """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None)`` ->
+    logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache (see ``init_cache``)."""
+
+    def __init__(self, config, *, rngs, param_dtype=jnp.float32):
+        self.config = config
+        embed = dict(dtype=config.dtype, param_dtype=param_dtype, rngs=rngs,
+                     embedding_init=_normal())
+        self.wte = nnx.Embed(config.vocab_size, config.n_embd, **embed)
+        self.wpe = nnx.Embed(config.n_positions, config.n_embd, **embed)
+        self.h = nnx.List([Block(config, i, rngs=rngs, param_dtype=param_dtype)
+                           for i in range(config.n_layer)])
+        self.ln_f = _layer_norm(config, param_dtype, rngs)
+
+    def init_cache(self, batch_size, max_length, dtype=jnp.float32):
+        """Empty keys and values for ``max_length`` slots: {"layers": {"0": {"k", "v"}, ...}},
+        each [batch, max_length, heads, head_dim]."""
+        c = self.config
+        if max_length > c.n_positions:
+            raise ConfigError(f"max_length {max_length} exceeds GPT-2's n_positions "
+                              f"{c.n_positions}; it has no position embedding beyond that.")
+        shape = (batch_size, max_length, c.n_head, c.head_dim)
+        return {"layers": {str(i): {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+                           for i in range(c.n_layer)}}
+
+    def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
+                 cache_index=None):
+        b, t = input_ids.shape
+        if cache is None:
+            mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+            if attention_mask is not None:
+                mask = mask & attention_mask.astype(bool)[:, None, None, :]
+            if positions is None:
+                positions = (jnp.broadcast_to(jnp.arange(t), (b, t)) if attention_mask is None
+                             else jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0))
+        else:
+            if attention_mask is None or positions is None or cache_index is None:
+                raise ConfigError("decoding with a cache needs attention_mask [B, max_length] over "
+                                  "the cache slots, positions [B, T] and cache_index.")
+            slots = jnp.arange(attention_mask.shape[1])
+            query_slots = cache_index + jnp.arange(t)
+            mask = ((slots[None, :] <= query_slots[:, None])[None, None]
+                    & attention_mask.astype(bool)[:, None, None, :])
+        x = self.wte(input_ids) + self.wpe(positions)
+        new_cache = {}
+        for i, block in enumerate(self.h):
+            layer_cache = None if cache is None else cache["layers"][str(i)]
+            x, new_cache[str(i)] = _run_block(block, x, mask, layer_cache, cache_index,
+                                              self.config.remat)
+        logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
+        return logits if cache is None else (logits, {"layers": new_cache})
+
+
+def _run_block(block, x, mask, cache, cache_index, remat):
+    if remat:  # keep only the block's inputs for the backward pass, recompute the rest
+        return nnx.remat(lambda blk, *args: blk(*args))(block, x, mask, cache, cache_index)
+    return block(x, mask, cache, cache_index)
+
+
+MODULES = {"GPT2LMHeadModel": GPT2LMHeadModel}
+DEFAULT_MODULE = GPT2LMHeadModel
+
+
+def hf_sources(config, module_cls):
+    """Tensor names as transformers saves GPT2LMHeadModel; the tied head is ``wte``."""
+    def conv1d(name):  # stored (in, out): no transpose
+        return {"kernel": hf.Source(f"{name}.weight"), "bias": hf.Source(f"{name}.bias")}
+
+    def norm(name):
+        return {"scale": hf.Source(f"{name}.weight"), "bias": hf.Source(f"{name}.bias")}
+
+    def block(i):
+        p = f"transformer.h.{i}."
+        h = config.n_embd
+        return {"ln_1": norm(p + "ln_1"), "ln_2": norm(p + "ln_2"),
+                "attn": {"c_attn": {"kernel": hf.Source(p + "attn.c_attn.weight", shape=(h, 3 * h)),
+                                    "bias": hf.Source(p + "attn.c_attn.bias", shape=(3 * h,))},
+                         "c_proj": conv1d(p + "attn.c_proj")},
+                "mlp": {"c_fc": conv1d(p + "mlp.c_fc"), "c_proj": conv1d(p + "mlp.c_proj")}}
+
+    return {"wte": {"embedding": hf.Source("transformer.wte.weight")},
+            "wpe": {"embedding": hf.Source("transformer.wpe.weight")},
+            "h": {str(i): block(i) for i in range(config.n_layer)},
+            "ln_f": norm("transformer.ln_f")}
+
+
+def example_inputs(config, module_cls):
+    ids = jax.ShapeDtypeStruct((2, min(8, config.n_positions)), jnp.int32)
+    return ids, ids  # input_ids, attention_mask
