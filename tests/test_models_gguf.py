@@ -64,10 +64,10 @@ def test_unpermute_inverts_llama_cpp_row_order():
 def test_config_and_tensor_shapes(gguf_file):
     config, tensors = gguf_file
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
-    expected = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    expected = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "head_dim": 64, "rope_theta": 100000.0, "tie_word_embeddings": True,
+                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
     assert {k: config[k] for k in expected} == expected
     assert config["rms_norm_eps"] == pytest.approx(1e-5)
     h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]

@@ -2,6 +2,7 @@
 generation. Depends on Flax; redcoast's core never imports it."""
 
 from .base import Model
+from .gguf import from_gguf, read_gguf
 from .pretrained import from_pretrained, save_pretrained
 
-__all__ = ["Model", "from_pretrained", "save_pretrained"]
+__all__ = ["Model", "from_gguf", "from_pretrained", "read_gguf", "save_pretrained"]

@@ -110,8 +110,13 @@ def hf_config(file):
         raise ConfigError(f"GGUF architecture {arch!r} is not supported; redcoast reads "
                           f"{list(ARCHITECTURES)} GGUF files (other families: convert to a Hugging "
                           "Face folder and use from_pretrained).")
-    key = lambda name: file.require(f"{arch}.{name}")  # noqa: E731
-    opt = lambda name, default=None: file.get(f"{arch}.{name}", default)  # noqa: E731
+
+    def key(name):
+        return file.require(f"{arch}.{name}")
+
+    def opt(name, default=None):
+        return file.get(f"{arch}.{name}", default)
+
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tokens = file.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens is not None else int(key("vocab_size"))
@@ -191,6 +196,10 @@ class GGUFTensors(Mapping):
                 array = unpermute_rows(array, n_head)
         return array
 
+    def release(self):
+        """Drop the kept tensor (the file stays mapped for later reads)."""
+        self._last = (None, None)
+
     def shape(self, name):
         if name not in self._source:
             raise ConfigError(f"tensor {name!r} is missing from {self.file.path}")
@@ -228,5 +237,5 @@ def from_gguf(path, deployer=None, *, param_dtype=jnp.float32, shardings=None, f
     model, params = from_reader(config, tensors, deployer, shardings=shardings,
                                 param_dtype=param_dtype, fsdp=fsdp,
                                 config_overrides=config_overrides)
-    tensors._last = (None, None)
+    tensors.release()
     return model, params, tokenizer
