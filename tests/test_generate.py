@@ -1,134 +1,130 @@
-"""Generation with a KV cache: greedy, sampling, beam search; cached decoding against full
-recomputation, the filters against numpy, and (with PyTorch) tokens against transformers."""
+"""Generation with a KV cache: greedy and beam search against transformers and against plain
+recomputation without a cache, sampling, the top-k/top-p filters against numpy, sharded
+parameters and generation inside a Predictor's pred_fn.
 
-import dataclasses
+Every call shares one tiny Llama and a few settings, so each setting compiles once."""
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+import redcoast
 from redcoast.errors import ConfigError, DataError
-from redcoast.models import Model
+from redcoast.models import Model, llama
 from redcoast.models.generate import generate, left_pad, top_k_filter, top_p_filter
 
+HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+needs_torch = pytest.mark.skipif(
+    not HAS_TORCH, reason="test-only reference: pip install torch==2.13.0 transformers")
 
-# ---------------------------------------------------------------------------- a tiny decoder
-# It follows the KV-cache protocol of redcoast.models (see the notes in generate.py) with learned
-# positions, so generation can be tested before and independently of the Llama family.
-
-@dataclasses.dataclass(frozen=True)
-class TinyConfig:
-    vocab: int = 40
-    width: int = 32
-    heads: int = 2
-    layers: int = 2
-    max_positions: int = 64
-    dtype: object = jnp.float32
-
-
-class TinyLayer(nnx.Module):
-    def __init__(self, cfg, *, rngs, param_dtype=jnp.float32):
-        self.heads = cfg.heads
-        self.qkv = nnx.Linear(cfg.width, 3 * cfg.width, rngs=rngs, param_dtype=param_dtype)
-        self.out = nnx.Linear(cfg.width, cfg.width, rngs=rngs, param_dtype=param_dtype)
-        self.up = nnx.Linear(cfg.width, 2 * cfg.width, rngs=rngs, param_dtype=param_dtype)
-        self.down = nnx.Linear(2 * cfg.width, cfg.width, rngs=rngs, param_dtype=param_dtype)
-
-    def __call__(self, x, mask, cache, cache_index):
-        b, t, d = x.shape
-        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * self.heads, d // self.heads), 3, axis=2)
-        if cache is not None:
-            k = jax.lax.dynamic_update_slice(cache["k"], k, (0, cache_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cache["v"], v, (0, cache_index, 0, 0))
-            cache = {"k": k, "v": v}
-        y = jax.nn.dot_product_attention(q, k, v, mask=mask)
-        x = x + self.out(y.reshape(b, t, d))
-        return x + self.down(jax.nn.gelu(self.up(x))), cache
-
-
-class TinyDecoder(nnx.Module):
-    def __init__(self, config, *, rngs, param_dtype=jnp.float32):
-        self.config = config
-        self.embed = nnx.Embed(config.vocab, config.width, rngs=rngs, param_dtype=param_dtype)
-        self.pos = nnx.Embed(config.max_positions, config.width, rngs=rngs, param_dtype=param_dtype)
-        self.layers = nnx.List([TinyLayer(config, rngs=rngs, param_dtype=param_dtype)
-                                for _ in range(config.layers)])
-        self.head = nnx.Linear(config.width, config.vocab, rngs=rngs, param_dtype=param_dtype)
-
-    def init_cache(self, batch_size, max_length, dtype=jnp.float32):
-        c = self.config
-        shape = (batch_size, max_length, c.heads, c.width // c.heads)
-        return {"layers": {str(i): {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-                           for i in range(c.layers)}}
-
-    def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
-                 cache_index=None):
-        b, t = input_ids.shape
-        if cache is None:
-            keys = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
-            if positions is None:
-                positions = (jnp.broadcast_to(jnp.arange(t), (b, t)) if attention_mask is None else
-                             jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0))
-            query_slots, start = jnp.arange(t), 0
-        else:
-            keys, start = attention_mask.astype(bool), cache_index
-            query_slots = cache_index + jnp.arange(t)
-        key_slots = jnp.arange(keys.shape[1])
-        mask = (key_slots[None, :] <= query_slots[:, None])[None, None] & keys[:, None, None, :]
-        x = self.embed(input_ids) + self.pos(positions)
-        new_cache = {"layers": {}}
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache["layers"][str(i)]
-            x, layer_cache = layer(x, mask, layer_cache, start)
-            new_cache["layers"][str(i)] = layer_cache
-        logits = self.head(x).astype(jnp.float32)
-        return logits if cache is None else (logits, new_cache)
+PROMPTS = [[1, 17, 45, 9, 80, 33, 5], [1, 60, 72], [1, 88, 21, 54, 3]]
+PAD = 95  # not 0: transformers' beam search fills with EOS when pad_token_id is 0
+N_NEW = 8
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            initializer_range=0.15,  # sharper next-token distributions than 0.02: no near-ties
+            bos_token_id=1, eos_token_id=2)
+IDS, MASK = left_pad(PROMPTS, PAD)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model = Model(TinyDecoder, TinyConfig())
-    params = model.init(3)
-    # sharper predictions, so greedy choices are far from ties
-    params["head"]["kernel"] = params["head"]["kernel"] * 6.0
-    return model, params
+def tiny(tmp_path_factory):
+    """(transformers model or None, redcoast model, params): a random LlamaForCausalLM saved by
+    transformers and read by redcoast.models.from_pretrained, or without PyTorch redcoast's own."""
+    if not HAS_TORCH:
+        model = Model(llama.LlamaForCausalLM, llama.LlamaConfig(**TINY))
+        return None, model, model.init(0)
+    import torch
+    import transformers
+
+    from redcoast.models import from_pretrained
+
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    folder = tmp_path_factory.mktemp("llama")
+    reference.save_pretrained(folder)
+    model, params = from_pretrained(folder)
+    return reference, model, params
 
 
-PROMPTS = [[5, 9, 2, 31, 7], [11, 3], [8, 8, 20, 1]]
+@pytest.fixture(scope="module")
+def free_greedy(tiny):
+    """Greedy tokens without EOS (compiled once, shared)."""
+    _, model, params = tiny
+    return np.asarray(generate(model, params, IDS, MASK, max_new_tokens=N_NEW))
 
 
-def greedy_uncached(model, params, prompts, n_new, eos=(), pad=0):
-    """Greedy decoding by recomputing the whole sequence every step (no cache, no padding)."""
-    forward = jax.jit(model.apply)
-    out = []
-    for prompt in prompts:
-        seq, new = list(prompt), []
-        while len(new) < n_new and not (new and new[-1] in eos):
-            new.append(int(jnp.argmax(forward(params, jnp.asarray([seq], jnp.int32))[0, -1])))
-            seq.append(new[-1])
-        out.append(new + [pad] * (n_new - len(new)))
-    return np.array(out)
+def eos_of(free_greedy):
+    return int(free_greedy[1, 3])  # the second prompt then stops after 4 tokens
 
 
-def test_greedy_cached_matches_recomputation(tiny):
-    model, params = tiny
-    ids, mask = left_pad(PROMPTS)
-    tokens = generate(model, params, ids, mask, max_new_tokens=6)
-    assert tokens.dtype == jnp.int32 and tokens.shape == (3, 6)
-    np.testing.assert_array_equal(tokens, greedy_uncached(model, params, PROMPTS, 6))
+def hf_generate(reference, **kw):
+    import torch
+
+    with torch.no_grad():
+        out = reference.generate(input_ids=torch.tensor(IDS, dtype=torch.long),
+                                 attention_mask=torch.tensor(MASK, dtype=torch.long),
+                                 max_new_tokens=N_NEW, pad_token_id=PAD, do_sample=False, **kw)
+    new = out[:, IDS.shape[1]:].numpy()  # cut at the longest hypothesis: pad to N_NEW
+    return np.pad(new, ((0, 0), (0, N_NEW - new.shape[1])), constant_values=PAD)
 
 
-def test_eos_stops_rows_and_pads(tiny):
-    model, params = tiny
-    ids, mask = left_pad(PROMPTS)
-    free = np.asarray(generate(model, params, ids, mask, max_new_tokens=6))
-    eos = int(free[0, 2])  # row 0 ends at its third token
-    tokens = np.asarray(generate(model, params, ids, mask, max_new_tokens=6, eos_token_id=[eos, 39],
-                                 pad_token_id=-1))
-    np.testing.assert_array_equal(tokens, greedy_uncached(model, params, PROMPTS, 6, (eos, 39), -1))
-    assert list(tokens[0, 3:]) == [-1, -1, -1]
+class Recompute:
+    """Next-token log-probabilities of whole sequences, recomputed without a cache (one fixed
+    shape: 3 rows left-padded to the longest prompt + N_NEW)."""
+
+    def __init__(self, model, params):
+        self.params = params
+        self.forward = jax.jit(model.apply)
+
+    def __call__(self, seqs):
+        rows = list(seqs) + [seqs[0]] * (3 - len(seqs))
+        ids, mask = left_pad(rows, PAD, length=IDS.shape[1] + N_NEW)
+        logits = self.forward(self.params, ids, mask)[:, -1]
+        return np.asarray(jax.nn.log_softmax(logits), np.float64)[:len(seqs)]
+
+
+def greedy_reference(recompute, eos=()):
+    seqs, new = [list(p) for p in PROMPTS], [[] for _ in PROMPTS]
+    for _ in range(N_NEW):
+        nxt = recompute(seqs).argmax(axis=1)
+        for row, token in enumerate(nxt):
+            if not (new[row] and new[row][-1] in eos):
+                new[row].append(int(token))
+                seqs[row].append(int(token))
+    return np.array([n + [PAD] * (N_NEW - len(n)) for n in new])
+
+
+def test_greedy_cached_equals_recomputation(tiny, free_greedy):
+    _, model, params = tiny
+    recompute = Recompute(model, params)
+    assert free_greedy.dtype == np.int32 and free_greedy.shape == (3, N_NEW)
+    np.testing.assert_array_equal(free_greedy, greedy_reference(recompute))
+    eos = eos_of(free_greedy)
+    tokens = np.asarray(generate(model, params, IDS, MASK, max_new_tokens=N_NEW,
+                                 eos_token_id=[eos, 94], pad_token_id=PAD))
+    np.testing.assert_array_equal(tokens, greedy_reference(recompute, (eos, 94)))
+    assert list(tokens[1, 4:]) == [PAD] * 4
+
+
+@needs_torch
+def test_greedy_equals_transformers(tiny, free_greedy):
+    reference, model, params = tiny
+    eos = eos_of(free_greedy)
+    expected = hf_generate(reference, eos_token_id=[eos, 94])
+    tokens = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, eos_token_id=[eos, 94],
+                      pad_token_id=PAD)
+    assert (expected == PAD).any()  # a row stopped early
+    np.testing.assert_array_equal(tokens, expected)
+
+
+def test_one_beam_is_greedy(tiny, free_greedy):
+    _, model, params = tiny
+    tokens = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, num_beams=1)
+    np.testing.assert_array_equal(tokens, free_greedy)
 
 
 def test_filters_against_numpy():
@@ -151,53 +147,30 @@ def test_filters_against_numpy():
         np.testing.assert_array_equal(top_p_filter(jnp.asarray(logits), p), expected)
 
 
-def test_sampling(tiny):
-    model, params = tiny
-    ids, mask = left_pad(PROMPTS)
-    greedy = generate(model, params, ids, mask, max_new_tokens=8)
-    rng = jax.random.key(0)
-    top1 = generate(model, params, ids, mask, max_new_tokens=8, do_sample=True, top_k=1, rng=rng,
-                    temperature=0.7)
-    np.testing.assert_array_equal(top1, greedy)
-    tiny_p = generate(model, params, ids, mask, max_new_tokens=8, do_sample=True, top_p=1e-6, rng=rng)
-    np.testing.assert_array_equal(tiny_p, greedy)
-    kw = dict(max_new_tokens=8, do_sample=True, temperature=3.0)
-    a = generate(model, params, ids, mask, rng=jax.random.key(1), **kw)
-    b = generate(model, params, ids, mask, rng=jax.random.key(1), **kw)
-    c = generate(model, params, ids, mask, rng=jax.random.key(2), **kw)
+def test_sampling(tiny, free_greedy):
+    _, model, params = tiny
+    top1 = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, do_sample=True, top_k=1,
+                    temperature=0.7, rng=jax.random.key(0))
+    np.testing.assert_array_equal(top1, free_greedy)
+    kw = dict(max_new_tokens=N_NEW, do_sample=True, temperature=2.0, top_p=0.95)
+    a = generate(model, params, IDS, MASK, rng=jax.random.key(1), **kw)
+    b = generate(model, params, IDS, MASK, rng=jax.random.key(1), **kw)
+    c = generate(model, params, IDS, MASK, rng=jax.random.key(2), **kw)
     np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a, c)
-    # a row's stream depends on its index, not on the rest of the batch
-    first = generate(model, params, ids[:1], mask[:1], rng=jax.random.key(1), **kw)
-    np.testing.assert_array_equal(first[0], a[0])
+    assert not np.array_equal(a, c) and not np.array_equal(a, free_greedy)
 
 
-def test_one_beam_is_greedy(tiny):
-    model, params = tiny
-    ids, mask = left_pad(PROMPTS)
-    np.testing.assert_array_equal(generate(model, params, ids, mask, max_new_tokens=5, num_beams=1),
-                                  generate(model, params, ids, mask, max_new_tokens=5))
-
-
-def beam_reference(model, params, prompt, n_beams, n_new, eos, length_penalty, early_stopping):
-    """Beam search for one prompt, written plainly (lists, no cache, whole sequences recomputed),
+def beam_reference(recompute, prompt, n_beams, eos, length_penalty, early_stopping):
+    """Beam search for one prompt, written plainly (lists, no cache, whole sequences recomputed)
     with transformers' rules: the best 2 * n_beams continuations; those of the top n_beams that
     end are finished (score / new length ** length_penalty), the best others run on."""
-    width = len(prompt) + n_new
-    forward = jax.jit(model.apply)
-
-    def next_logp(seqs):
-        ids, mask = left_pad([prompt + s for s in seqs], length=width)
-        return np.asarray(jax.nn.log_softmax(forward(params, ids, mask)[:, -1]), np.float64)
-
     running, finished, open_ = [(0.0, [])], [], True
-    for step in range(n_new):
-        logp = next_logp([t for _, t in running])
+    for step in range(N_NEW):
+        logp = recompute([prompt + t for _, t in running])
         cands = sorted(((s + logp[b, v], t + [v]) for b, (s, t) in enumerate(running)
                         for v in range(logp.shape[1])), key=lambda c: -c[0])[:2 * n_beams]
-        ends = [t[-1] in eos or step == n_new - 1 for _, t in cands]
-        full = early_stopping is True and len(finished) == n_beams
-        if open_ and not full:
+        ends = [t[-1] in eos or step == N_NEW - 1 for _, t in cands]
+        if open_ and not (early_stopping is True and len(finished) == n_beams):
             finished += [(s / (step + 1) ** length_penalty, t)
                          for (s, t), e in zip(cands[:n_beams], ends) if e]
             finished = sorted(finished, key=lambda c: -c[0])[:n_beams]
@@ -205,34 +178,105 @@ def beam_reference(model, params, prompt, n_beams, n_new, eos, length_penalty, e
         if not running:  # the last step: every continuation ended
             break
         if len(finished) == n_beams:
-            length = n_new if early_stopping == "never" and length_penalty > 0 else step + 1
+            length = N_NEW if early_stopping == "never" and length_penalty > 0 else step + 1
             open_ = open_ and running[0][0] / length ** length_penalty > finished[-1][0]
         if not open_ or (early_stopping is True and len(finished) == n_beams):
             break
     best = finished[0][1]
-    return best + [-1] * (n_new - len(best))
+    return best + [PAD] * (N_NEW - len(best))
 
 
-@pytest.mark.parametrize("length_penalty,early_stopping", [(1.0, False), (0.5, "never"), (2.0, True)])
-def test_beam_search_against_plain_reference(tiny, length_penalty, early_stopping):
-    model, params = tiny
-    ids, mask = left_pad(PROMPTS)
-    eos = (4, 10)
-    tokens = generate(model, params, ids, mask, max_new_tokens=6, num_beams=3, eos_token_id=eos,
-                      pad_token_id=-1, length_penalty=length_penalty, early_stopping=early_stopping)
-    expected = [beam_reference(model, params, p, 3, 6, eos, length_penalty, early_stopping)
-                for p in PROMPTS]
+BEAM_EOS = [15, 6]  # with length_penalty 0.5, hypotheses of 1 and 5 tokens win
+
+
+def test_beam_search_against_plain_reference(tiny):
+    reference, model, params = tiny
+    tokens = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, num_beams=3,
+                      eos_token_id=BEAM_EOS, pad_token_id=PAD, length_penalty=2.0,
+                      early_stopping=True)
+    recompute = Recompute(model, params)
+    expected = [beam_reference(recompute, p, 3, BEAM_EOS, 2.0, True) for p in PROMPTS]
+    np.testing.assert_array_equal(tokens, expected)
+    if reference is not None:
+        np.testing.assert_array_equal(tokens, hf_generate(
+            reference, num_beams=3, eos_token_id=BEAM_EOS, length_penalty=2.0,
+            early_stopping=True))
+
+
+@needs_torch
+@pytest.mark.parametrize("length_penalty,early_stopping", [(1.0, False), (0.5, False),
+                                                           (0.5, "never")])
+def test_beam_search_equals_transformers(tiny, length_penalty, early_stopping):
+    reference, model, params = tiny
+    expected = hf_generate(reference, num_beams=3, eos_token_id=BEAM_EOS,
+                           length_penalty=length_penalty, early_stopping=early_stopping)
+    tokens = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, num_beams=3,
+                      eos_token_id=BEAM_EOS, length_penalty=length_penalty,
+                      early_stopping=early_stopping, pad_token_id=PAD)
     np.testing.assert_array_equal(tokens, expected)
 
 
+def test_beam_sampling(tiny):
+    _, model, params = tiny
+    kw = dict(max_new_tokens=N_NEW, num_beams=3, eos_token_id=BEAM_EOS, pad_token_id=PAD)
+    # near temperature 0 the Gumbel noise cannot reorder candidates: plain beam search
+    cold = generate(model, params, IDS, MASK, do_sample=True, temperature=1e-6,
+                    rng=jax.random.key(0), **kw)
+    np.testing.assert_array_equal(cold, generate(model, params, IDS, MASK, **kw))
+    a, b, c = (generate(model, params, IDS, MASK, do_sample=True, rng=jax.random.key(seed), **kw)
+               for seed in (1, 1, 2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.fixture(scope="module")
+def deployer():
+    return redcoast.Deployer(n_model_shards=2, verbose=False)  # 4 data shards
+
+
+def test_sharded_params_give_the_same_tokens(tiny, free_greedy, deployer):
+    _, model, params = tiny
+    plan = deployer.get_sharding_plan(params, traced_fn=model.apply,
+                                      example_args=llama.example_inputs(model.config))
+    sharded = jax.device_put(params, plan.param_shardings())
+    specs = [s.spec for s in jax.tree_util.tree_leaves(plan.param_shardings())]
+    assert any("mp" in jax.tree_util.tree_leaves(tuple(spec)) for spec in specs)
+    kw = dict(max_new_tokens=N_NEW, eos_token_id=[eos_of(free_greedy), 94], pad_token_id=PAD)
+    np.testing.assert_array_equal(generate(model, sharded, IDS, MASK, **kw),
+                                  generate(model, params, IDS, MASK, **kw))
+
+
+def test_beam_search_inside_a_predictor(tiny, deployer):
+    _, model, params = tiny
+    kw = dict(max_new_tokens=N_NEW, num_beams=3, eos_token_id=BEAM_EOS, pad_token_id=PAD)
+
+    def collate_fn(prompts):
+        ids, mask = left_pad(prompts, PAD, length=IDS.shape[1])
+        return {"ids": ids, "mask": mask}
+
+    def pred_fn(rng, params, batch):
+        return generate(model, params, batch["ids"], batch["mask"], **kw)
+
+    prompts = PROMPTS + [[1, 40], [1, 2, 3, 4, 5, 6, 7]]  # 5 prompts: two batches of 4
+    outputs = redcoast.Predictor(deployer, collate_fn, pred_fn).predict(prompts, 1, params)
+    # the same tokens as direct calls (of the same shape as the other tests': compiled already)
+    ids, mask = left_pad(prompts[3:] + prompts[:1], PAD, length=IDS.shape[1])
+    expected = np.concatenate([generate(model, params, IDS, MASK, **kw),
+                               generate(model, params, ids, mask, **kw)[:2]])
+    np.testing.assert_array_equal(np.stack(outputs), expected)
+
+
 def test_errors(tiny):
-    model, params = tiny
-    ids, mask = left_pad(PROMPTS)
+    _, model, params = tiny
     with pytest.raises(ConfigError, match="rng"):
-        generate(model, params, ids, mask, max_new_tokens=2, do_sample=True)
+        generate(model, params, IDS, MASK, max_new_tokens=2, do_sample=True)
     with pytest.raises(ConfigError, match="top_p"):
-        generate(model, params, ids, mask, max_new_tokens=2, top_p=0.0)
+        generate(model, params, IDS, MASK, max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        generate(model, params, IDS, MASK, max_new_tokens=0)
     with pytest.raises(DataError, match="left"):
-        generate(model, params, ids[:, ::-1], mask[:, ::-1], max_new_tokens=2)
+        generate(model, params, IDS[:, ::-1], MASK[:, ::-1], max_new_tokens=2)
+    with pytest.raises(DataError, match=r"prompt\(s\) \[1\] have no tokens"):
+        generate(model, params, IDS, MASK * np.array([[1], [0], [1]]), max_new_tokens=2)
     with pytest.raises(DataError, match="length"):
         left_pad([[1, 2, 3]], length=2)

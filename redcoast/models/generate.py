@@ -217,11 +217,11 @@ def _generate(model, cfg, params, input_ids, attention_mask, rng):
     if attention_mask is None:
         attention_mask = jnp.ones_like(input_ids)
     attention_mask = attention_mask.astype(jnp.int32)
-    total = prompt_len + cfg.max_new_tokens
-    cache = model.init_cache(batch, total, dtype=getattr(model.config, "dtype", jnp.float32))
+    n_fed_back = cfg.max_new_tokens - 1  # the last new token is never run through the model
+    cache = model.init_cache(batch, prompt_len + n_fed_back,
+                             dtype=getattr(model.config, "dtype", jnp.float32))
     # every slot after the prompt will hold a generated token (padding after EOS included)
-    key_mask = jnp.concatenate(
-        [attention_mask, jnp.ones((batch, cfg.max_new_tokens), jnp.int32)], axis=1)
+    key_mask = jnp.concatenate([attention_mask, jnp.ones((batch, n_fed_back), jnp.int32)], axis=1)
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
     logits, cache = model.apply(params, input_ids, attention_mask=key_mask, positions=positions,
                                 cache=cache, cache_index=jnp.int32(0))
@@ -250,9 +250,10 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
       new length ** ``length_penalty``; ``early_stopping`` True, False or "never"); with
       ``do_sample`` the beams are sampled. ``num_beams=1`` is greedy.
 
-    Inside a jitted function (a Predictor's ``pred_fn``) it is traced into it, with whatever
-    sharding the params and batch have; called directly, it is compiled once per model, setting
-    and shape.
+    Every prompt needs at least one token (e.g. BOS). Inside a jitted function (a Predictor's
+    ``pred_fn``) it is traced into it, with whatever sharding the params and batch have; called
+    directly, it is compiled once per model, setting and shape (fixed-width prompts from
+    ``left_pad(..., length=L)`` avoid recompiling).
     """
     cfg = SearchConfig.make(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -273,11 +274,17 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
 
 
 def _check_left_padded(mask):
-    """A concrete mask whose last column has padding means right-padded prompts: say so."""
+    """Explain masks that cannot work: right padding, or a prompt without any token."""
     if isinstance(mask, jax.core.Tracer):
         return  # inside a trace the values are unknown
-    mask = np.asarray(mask)
-    if mask.size and not mask[:, -1].all() and mask.any(axis=1).all():
+    mask = np.asarray(mask) != 0
+    if mask.size == 0:
+        return
+    empty = np.flatnonzero(~mask.any(axis=1))
+    if empty.size:
+        raise DataError(f"prompt(s) {empty.tolist()} have no tokens (attention_mask is all 0). Fix: "
+                        "start every prompt with at least one token, e.g. the BOS token.")
+    if not mask[:, -1].all():
         raise DataError("attention_mask has padding in its last column: the prompts are padded on "
                         "the right. Fix: pad them on the left (redcoast.models.generate.left_pad), "
                         "so every row's next token goes into the same cache slot.")
