@@ -4,7 +4,8 @@ Everything is pure JAX with fixed shapes, so :func:`generate` works inside a use
 (which redcoast's Predictor jits with sharded parameters and a batch split over 'dp') and also
 when called directly, where it is jit-compiled once per model, setting and input shape.
 
-The prompt is prefilled in one call, then one token per step is decoded in a ``lax.while_loop``
+The prompt is prefilled in one call (its last token in a second one, so that only its logits
+are computed), then one token per step is decoded in a ``lax.while_loop``
 that stops as soon as every row has finished. Prompts are LEFT-padded (:func:`left_pad`), so
 every row's next token goes into the same cache slot.
 
@@ -223,11 +224,18 @@ def _generate(model, cfg, params, input_ids, attention_mask, rng):
     # every slot after the prompt will hold a generated token (padding after EOS included)
     key_mask = jnp.concatenate([attention_mask, jnp.ones((batch, n_fed_back), jnp.int32)], axis=1)
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
-    logits, cache = model.apply(params, input_ids, attention_mask=key_mask, positions=positions,
-                                cache=cache, cache_index=jnp.int32(0))
+    step = decoder_step(model)
+    if prompt_len > 1:
+        # All but the last prompt token fill the cache; their logits are unused, so XLA drops
+        # the [B, T, vocab] head matmul (gigabytes for long prompts and large vocabularies).
+        _, cache = model.apply(params, input_ids[:, :-1], attention_mask=key_mask,
+                               positions=positions[:, :-1], cache=cache,
+                               cache_index=jnp.int32(0))
+    logits, cache = step(params, input_ids[:, -1:], positions[:, -1:], key_mask, cache,
+                         jnp.int32(prompt_len - 1), None)
     next_position = jnp.sum(attention_mask, axis=1).astype(jnp.int32)
-    return decode(decoder_step(model), params, last_logits(logits), cache, key_mask,
-                  next_position, jnp.int32(prompt_len), config=cfg, rng=rng)
+    return decode(step, params, logits, cache, key_mask, next_position, jnp.int32(prompt_len),
+                  config=cfg, rng=rng)
 
 
 @functools.lru_cache(maxsize=64)
