@@ -278,5 +278,7 @@ def test_errors(tiny):
         generate(model, params, IDS[:, ::-1], MASK[:, ::-1], max_new_tokens=2)
     with pytest.raises(DataError, match=r"prompt\(s\) \[1\] have no tokens"):
         generate(model, params, IDS, MASK * np.array([[1], [0], [1]]), max_new_tokens=2)
+    with pytest.raises(DataError, match="prompt length >= 1"):
+        generate(model, params, IDS[:, :0], max_new_tokens=2)
     with pytest.raises(DataError, match="length"):
         left_pad([[1, 2, 3]], length=2)

@@ -5,9 +5,9 @@ Everything is pure JAX with fixed shapes, so :func:`generate` works inside a use
 when called directly, where it is jit-compiled once per model, setting and input shape.
 
 The prompt is prefilled in one call (its last token in a second one, so that only its logits
-are computed), then one token per step is decoded in a ``lax.while_loop``
-that stops as soon as every row has finished. Prompts are LEFT-padded (:func:`left_pad`), so
-every row's next token goes into the same cache slot.
+are computed), then one token per step is decoded in a ``lax.while_loop`` that stops as soon
+as every row has finished. Prompts are LEFT-padded (:func:`left_pad`), so every row's next
+token goes into the same cache slot.
 
 Encoder-decoder families reuse the loop through :func:`decode` with their own ``step_fn``.
 """
@@ -22,7 +22,7 @@ from jax import lax
 
 from ..errors import ConfigError, DataError
 
-NEG = -1.0e9  # the score of a hypothesis that must not be chosen (finite: arithmetic on it stays exact)
+NEG = -1.0e9  # the score of a hypothesis that must not be chosen (finite, so sums stay finite)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,13 @@ def decode(step_fn, params, logits, cache, key_mask, positions, cache_index, ext
       reordered.
     - ``step_fn(params, tokens[N, 1], positions[N, 1], key_mask, cache, cache_index, extra)``
       -> ``(logits [N, V] (or [N, 1, V]), new_cache)`` runs one token per row.
+
+    The cache needs ``cache_index + max_new_tokens - 1`` slots (the last token is never fed
+    back); ``rng`` is required when ``config.do_sample``.
     """
+    if config.do_sample and rng is None:
+        raise ConfigError("do_sample=True needs rng=<a jax.random key> (a Predictor's pred_fn "
+                          "receives one as its first argument).")
     if config.num_beams > 1:
         from .beam import beam_search
 
@@ -267,12 +273,9 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
         top_p=top_p, num_beams=num_beams, length_penalty=length_penalty,
         early_stopping=early_stopping, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-    if cfg.do_sample and rng is None:
-        raise ConfigError("do_sample=True needs rng=<a jax.random key> (a Predictor's pred_fn "
-                          "receives one as its first argument).")
-    if np.ndim(input_ids) != 2:
+    if np.ndim(input_ids) != 2 or np.shape(input_ids)[1] == 0:
         raise DataError(f"input_ids has shape {np.shape(input_ids)}; generate expects [batch, "
-                        "prompt length] (use left_pad to batch token lists).")
+                        "prompt length >= 1] (use left_pad to batch token lists).")
     if attention_mask is not None:
         if np.shape(attention_mask) != np.shape(input_ids):
             raise DataError(f"attention_mask has shape {np.shape(attention_mask)}, input_ids "
