@@ -2,6 +2,7 @@
 sharded), a tiny random classifier's logits, and folders written both ways."""
 
 import importlib.util
+import json
 import os
 
 import jax
@@ -126,6 +127,16 @@ def test_encoder_reads_either_tensor_prefix(tiny_classifier):
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(hidden)[real], out.last_hidden_state.numpy()[real],
                                atol=1e-4)
+
+
+def test_saving_an_encoder_read_from_a_classifier_folder_says_bertmodel(tiny_classifier, tmp_path):
+    _, folder = tiny_classifier
+    model, params = from_pretrained(folder, architecture="BertModel")
+    save_pretrained(model, params, str(tmp_path / "encoder"))
+    with open(tmp_path / "encoder" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["BertModel"]
+    back = transformers.BertModel.from_pretrained(str(tmp_path / "encoder"))
+    assert back.embeddings.word_embeddings.weight.shape[0] == model.config.vocab_size
 
 
 def test_round_trip_through_transformers_is_exact(tiny_classifier, tmp_path):

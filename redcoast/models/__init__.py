@@ -2,7 +2,9 @@
 generation. Depends on Flax; redcoast's core never imports it."""
 
 from .base import Model
+from .generate import generate, left_pad
 from .gguf import from_gguf, read_gguf
 from .pretrained import from_pretrained, save_pretrained
 
-__all__ = ["Model", "from_gguf", "from_pretrained", "read_gguf", "save_pretrained"]
+__all__ = ["Model", "from_gguf", "from_pretrained", "generate", "left_pad", "read_gguf",
+           "save_pretrained"]

@@ -105,4 +105,10 @@ def save_pretrained(model, params, folder, max_shard_bytes=None):
 
     Call it on every process; process 0 writes. Tied weights are stored once."""
     tensors = hf_tensors(model, params)
-    hf.save_folder(folder, model.config.to_hf(), tensors, max_shard_bytes=max_shard_bytes)
+    config = model.config.to_hf()
+    family = family_of(config["model_type"])
+    named = list(config.get("architectures") or [])
+    if not (named and family.MODULES.get(named[0]) is model.module_cls):
+        # the class actually saved (e.g. a classifier folder loaded as BertModel)
+        config["architectures"] = [n for n, cls in family.MODULES.items() if cls is model.module_cls][:1]
+    hf.save_folder(folder, config, tensors, max_shard_bytes=max_shard_bytes)
