@@ -45,7 +45,7 @@ class Model:
         self.param_dtype = param_dtype
         self._module = nnx.eval_shape(lambda: self._build(0))
         self.graphdef, self._params_state, self._rest_state = nnx.split(self._module, nnx.Param, ...)
-        self._template = self._params_state.to_pure_dict()
+        self._template = nnx.to_pure_dict(self._params_state)
 
     def _build(self, seed):
         return self.module_cls(self.config, rngs=nnx.Rngs(seed), param_dtype=self.param_dtype)
@@ -59,7 +59,7 @@ class Model:
         """Fresh random parameters (the module's own initialisers), optionally placed sharded."""
         def make():
             _, state, _ = nnx.split(self._build(seed), nnx.Param, ...)
-            return _str_keys(state.to_pure_dict())
+            return _str_keys(nnx.to_pure_dict(state))
         return jax.jit(make, out_shardings=out_shardings)()
 
     def bind(self, params):
