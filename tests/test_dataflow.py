@@ -10,7 +10,7 @@ from redcoast.comms import megatron_ideal, per_layer
 from redcoast.sharding.dataflow import DataflowError, dataflow_placements, fuse_sibling_matmuls
 from redcoast.sharding.paths import path_to_tuple
 
-from architectures import ARCHITECTURES, B, gqa, plain_jax, transposed
+from architectures import ARCHITECTURES, B, gqa, plain_jax, scan_stacked, transposed
 
 LR = 0.1
 
@@ -150,9 +150,14 @@ def test_one_shard_replicates_everything_and_tracing_errors_are_reported():
         dataflow_placements(lambda p, b: p["missing"], arch.params, arch.batch, n_model_shards=4)
 
 
-def test_fused_siblings_compute_the_same_loss_and_gradients():
-    arch = gqa()  # custom_jvp (relu), GQA: K and V fused, Q alone
+@pytest.mark.parametrize("make_arch", [gqa, scan_stacked], ids=["gqa", "scan_stacked"])
+def test_fused_siblings_compute_the_same_loss_and_gradients(make_arch):
+    # gqa: custom_jvp (relu), K and V fused, Q alone; scan_stacked: Q/K/V fused inside a
+    # checkpointed scan body, which stays rematerialised
+    arch = make_arch()
     fused = fuse_sibling_matmuls(arch.loss)
+    if make_arch is scan_stacked:
+        assert "remat" in str(jax.make_jaxpr(jax.grad(fused))(arch.params, arch.batch))
     want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
     got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):

@@ -941,6 +941,14 @@ def _eval_fused(jaxpr, consts, args):
 def _bind(eqn, vals):
     name = eqn.primitive.name
     params = dict(eqn.params)
+    if name in ("checkpoint", "remat", "remat2") and isinstance(params.get("jaxpr"), jcore.Jaxpr) \
+            and not params["jaxpr"].constvars:
+        # a rematerialised body (jax.checkpoint, nnx.remat): fused inside, still rematerialised
+        body = params["jaxpr"]
+        run = jax.checkpoint(lambda *a: _eval_fused(body, (), a), prevent_cse=params["prevent_cse"],
+                             policy=params["policy"])
+        with eqn.ctx.manager:
+            return list(run(*vals))
     if name == "scan":
         params["jaxpr"] = _fused_closed(params["jaxpr"])
     bind_params = eqn.primitive.get_bind_params(params)  # as jax.core.eval_jaxpr does
