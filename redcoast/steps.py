@@ -54,23 +54,26 @@ def split_loss_output(output):
 
 
 def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
-                    fuse_matmuls=False):
+                    fuse_for_model_shards=None, split_weights=None):
     """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
 
     With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
     the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
-    the first step whose loss was not finite. ``fuse_matmuls`` runs the loss with sibling matmuls
-    (Q/K/V, gate/up: one input, same-shaped weights) stacked into one, so that under tensor
-    parallelism the backward pass all-reduces their input gradient once, as Megatron-LM does.
+    the first step whose loss was not finite. ``fuse_for_model_shards`` (the number of model
+    shards, when > 1) runs the loss with sibling matmuls (Q/K/V, gate/up: one input) fused into
+    one, so that under tensor parallelism the backward pass all-reduces their input gradient
+    once, as Megatron-LM does; ``split_weights`` (from ``split_weight_axes(plan.placements)``)
+    limits that to the weights the plan splits.
     """
     def training_loss(p, batch, rng, state):
         return loss_fn(rng, state, cast_floating(p, compute_dtype), batch, True)
 
     def loss_and_grad(state, params, batch, rng):
         def objective(p):
-            if fuse_matmuls:
+            if fuse_for_model_shards and fuse_for_model_shards > 1:
                 try:
-                    fused = fuse_sibling_matmuls(lambda p_, b_, r_: training_loss(p_, b_, r_, state))
+                    fused = fuse_sibling_matmuls(lambda p_, b_, r_: training_loss(p_, b_, r_, state),
+                                                 fuse_for_model_shards, split_weights)
                     return split_loss_output(fused(p, batch, rng))
                 except LossError:
                     raise

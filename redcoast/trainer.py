@@ -17,7 +17,7 @@ from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
 from .predictor import Predictor
 from .preemption import PreemptionGuard
-from .sharding.dataflow import dataflow_placements
+from .sharding.dataflow import dataflow_placements, split_weight_axes
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
 
@@ -84,7 +84,8 @@ class Trainer:
         step_fn = self.train_step_fn or make_train_step(
             self.loss_fn, self.compute_dtype, self.accumulate_grad_batches,
             grad_shardings=self._state_shardings.params,
-            fuse_matmuls=self.deployer.n_model_shards > 1)
+            fuse_for_model_shards=self.deployer.n_model_shards,
+            split_weights=split_weight_axes(self.plan.placements))
         batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(
             step_fn,

@@ -150,12 +150,17 @@ def test_one_shard_replicates_everything_and_tracing_errors_are_reported():
         dataflow_placements(lambda p, b: p["missing"], arch.params, arch.batch, n_model_shards=4)
 
 
-@pytest.mark.parametrize("make_arch", [gqa, scan_stacked], ids=["gqa", "scan_stacked"])
-def test_fused_siblings_compute_the_same_loss_and_gradients(make_arch):
-    # gqa: custom_jvp (relu), K and V fused, Q alone; scan_stacked: Q/K/V fused inside a
-    # checkpointed scan body, which stays rematerialised
+@pytest.mark.parametrize("make_arch, n", [(gqa, 1), (gqa, 2), (scan_stacked, 1)],
+                         ids=["gqa-stacked", "gqa-concatenated", "scan_stacked"])
+def test_fused_siblings_compute_the_same_loss_and_gradients(make_arch, n):
+    # gqa: custom_jvp (relu); K and V stacked, Q alone (n=1), or Q, K, V concatenated block-wise
+    # for 2 shards; scan_stacked: Q/K/V fused inside a checkpointed scan body, which stays
+    # rematerialised
     arch = make_arch()
-    fused = fuse_sibling_matmuls(arch.loss)
+    fused = fuse_sibling_matmuls(arch.loss, n)
+    if n > 1:  # the concatenation path is really taken: one matmul for Q, K and V
+        n_dots = lambda f: str(jax.make_jaxpr(f)(arch.params, arch.batch)).count("dot_general")
+        assert n_dots(fused) == n_dots(arch.loss) - 2 * len(arch.params["layers"])
     if make_arch is scan_stacked:
         assert "remat" in str(jax.make_jaxpr(jax.grad(fused))(arch.params, arch.batch))
     want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)

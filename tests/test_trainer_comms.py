@@ -4,7 +4,7 @@ import jax
 import optax
 import pytest
 
-from architectures import B, H, T, flax_nnx, plain_jax
+from architectures import B, H, T, bert, flax_nnx, gqa, plain_jax
 from redcoast import Deployer, Trainer
 from redcoast.comms import megatron_ideal, per_layer
 
@@ -18,11 +18,12 @@ def _trainer_step(make_arch, depth, n_model_shards):
     return trainer.compile_train_step(arch.batch), deployer.mesh
 
 
-@pytest.mark.parametrize("make_arch", [plain_jax, flax_nnx], ids=["plain_jax", "flax_nnx"])
-def test_separate_q_k_v_and_gate_up_reach_megatron_traffic_through_the_trainer(make_arch):
+@pytest.mark.parametrize("make_arch, n", [(plain_jax, 4), (flax_nnx, 4), (gqa, 2), (bert, 4)],
+                         ids=["plain_jax", "flax_nnx", "gqa-q-wider-than-kv", "bert-2-row-types"])
+def test_separate_q_k_v_and_gate_up_reach_megatron_traffic_through_the_trainer(make_arch, n):
     # Separate Q/K/V matmuls: placement alone moves 1.5x Megatron's bytes (test_dataflow);
-    # the Trainer stacks sibling matmuls, so its step moves exactly the ideal.
-    n = 4
+    # the Trainer fuses sibling matmuls (grouped-query Q with its narrower K/V too), so its step
+    # moves exactly the ideal.
     mesh = _trainer_step(make_arch, 2, n)[1]
     layer = per_layer(lambda depth: _trainer_step(make_arch, depth, n)[0], mesh)
     ideal = megatron_ideal(B // (jax.device_count() // n), T, H, n)

@@ -1,0 +1,122 @@
+"""Per-layer model-parallel traffic and parameter memory of redcoast's own models, trained through
+the Trainer (its plan traced from the loss, its sibling-matmul fusion, its compiled step).
+
+For each model in redcoast.models (tiny configs: hidden 64, 8 heads, vocabulary 128, sequence 8,
+global batch 8) and 2, 4, 8 model shards on 8 simulated CPU devices: compile the Trainer's training
+step at two depths and difference its collectives (redcoast/comms.py). 'mp / Megatron' is the
+per-layer 'mp' wire bytes over Megatron-LM's (2 all-reduces of the [batch, seq, hidden] activation
+forward and 2 backward; a T5 layer counts one encoder and one decoder layer: 2 + 3 each way).
+'params / ideal' is parameter bytes per device over (split bytes / n + replicated bytes), FSDP off.
+
+    python benchmarks/comms_models.py [model ...]
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from redcoast.simulate import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from redcoast import Deployer, Trainer  # noqa: E402
+from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
+from redcoast.models import Model, bert, gpt2, llama, t5  # noqa: E402
+
+B, T, H, HEADS, V = 8, 8, 64, 8, 128
+
+
+def _lm_loss(model):
+    def loss(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+    return loss
+
+
+def _bert_loss(model):
+    def loss(rng, state, params, batch, is_training):
+        ids = batch["ids"][:, :-1]
+        hidden, pooled = model.apply(params, ids, np.ones(ids.shape, np.int32))
+        return (hidden ** 2).mean() + (pooled ** 2).mean()
+    return loss
+
+
+def _t5_loss(model):
+    def loss(rng, state, params, batch, is_training):
+        ids = batch["ids"]
+        logits = model.apply(params, ids[:, :-1], np.ones((B, T), np.int32), ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    return loss
+
+
+def llama_model(layers, kv_heads):
+    return Model(llama.LlamaForCausalLM, llama.LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=layers,
+        num_attention_heads=HEADS, num_key_value_heads=kv_heads))
+
+
+MODELS = {  # name: (make(layers) -> Model, loss maker, cross-attention layers)
+    "llama": (lambda n: llama_model(n, HEADS), _lm_loss, False),
+    "llama_gqa4": (lambda n: llama_model(n, 4), _lm_loss, False),
+    "gpt2": (lambda n: Model(gpt2.GPT2LMHeadModel, gpt2.Config(
+        vocab_size=V, n_positions=16, n_embd=H, n_layer=n, n_head=HEADS)), _lm_loss, False),
+    "bert": (lambda n: Model(bert.BertModel, bert.Config(
+        vocab_size=V, hidden_size=H, num_hidden_layers=n, num_attention_heads=HEADS,
+        intermediate_size=2 * H, max_position_embeddings=16)), _bert_loss, False),
+    "t5": (lambda n: Model(t5.T5ForConditionalGeneration, t5.Config(
+        vocab_size=V, d_model=H, d_kv=H // HEADS, d_ff=2 * H, num_layers=n, num_heads=HEADS)),
+        _t5_loss, True),
+}
+
+
+def trainer_for(name, layers, n):
+    make, loss, _ = MODELS[name]
+    model = make(layers)
+    deployer = Deployer(n_model_shards=n, verbose=False)
+    params = model.init(0)
+    return Trainer(deployer, None, model.apply, loss(model), params, optax.sgd(0.1), fsdp=False)
+
+
+def batch():
+    return {"ids": np.random.default_rng(0).integers(0, V, (B, T + 1)).astype(np.int32)}
+
+
+def measure(name, n):
+    trainers = {}
+
+    def compiled(depth):
+        trainers[depth] = trainer_for(name, depth, n)
+        return trainers[depth].compile_train_step(batch())
+
+    layer = per_layer(compiled, Deployer(n_model_shards=n, verbose=False).mesh)
+    per_device = B // (jax.device_count() // n)
+    ideal = megatron_ideal(per_device, T, H, n)["wire_bytes"]
+    if MODELS[name][2]:  # one encoder + one decoder layer per depth step
+        ideal += megatron_ideal(per_device, T, H, n, cross_attention=True)["wire_bytes"]
+    plan = trainers[2].plan
+    nbytes = lambda pl: int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
+    split = sum(nbytes(pl) for pl in plan.placements if len(pl.spec))
+    replicated = sum(nbytes(pl) for pl in plan.placements if not len(pl.spec))
+    on_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(trainers[2].params))
+    mp = layer.get("mp", {"count": 0, "wire_bytes": 0})
+    return mp["count"], mp["wire_bytes"] / ideal, on_device / (split / n + replicated)
+
+
+def main(names):
+    print(f"{'model':<12}{'mp':>3}  {'mp collectives/layer':>20}  {'mp / Megatron':>13}  {'params / ideal':>14}")
+    t0 = time.perf_counter()
+    for name in names:
+        for n in (2, 4, 8):
+            count, ratio, mem = measure(name, n)
+            print(f"{name:<12}{n:>3}  {count:>20g}  {ratio:>12.2f}x  {mem:>13.2f}x", flush=True)
+    print(f"({time.perf_counter() - t0:.0f} s; jax {jax.__version__}, {jax.device_count()} CPU devices)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(MODELS))
