@@ -137,3 +137,20 @@ def test_remat_gives_the_same_gradients(tiny):
     loss = lambda m: lambda p: m.apply(p, ids, mask).mean()  # noqa: E731
     g1, g2 = jax.jit(jax.grad(loss(model)))(params), jax.jit(jax.grad(loss(remat)))(params)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g2)
+
+
+def test_greedy_generation_equals_transformers(tiny):
+    from redcoast.models import generate
+
+    ref, folder = tiny
+    ids, mask = _left_padded(seed=3)
+    model, params = from_pretrained(folder)
+    got = np.asarray(generate(model, params, ids, mask, max_new_tokens=8, eos_token_id=0,
+                              pad_token_id=0))
+    with torch.no_grad():
+        want = ref.generate(input_ids=torch.tensor(ids, dtype=torch.long),
+                            attention_mask=torch.tensor(mask, dtype=torch.long), do_sample=False,
+                            max_new_tokens=8, eos_token_id=0, pad_token_id=0).numpy()[:, ids.shape[1]:]
+    assert want.shape[1] > 0
+    np.testing.assert_array_equal(got[:, :want.shape[1]], want)
+    assert (got[:, want.shape[1]:] == 0).all()  # transformers stops once every row ended
