@@ -960,22 +960,9 @@ def _eval_fused(jaxpr, consts, args):
         first = jaxpr.eqns[members[0]]
         shared = read(first.invars[side])
         others = [read(jaxpr.eqns[m].invars[1 - side]) for m in members]
-        (lc, rc), (lb, rb) = first.params["dimension_numbers"]
-        stacked = jax.numpy.stack(others, 0)  # new leading free axis of the other operand
-        shift = lambda dims: tuple(d + 1 for d in dims)
-        if side == 0:  # shared is lhs
-            dn = ((tuple(lc), shift(rc)), (tuple(lb), shift(rb)))
-            n_lhs_free = len(shared.shape) - len(lc) - len(lb)
-            pos = len(lb) + n_lhs_free
-            operands = (shared, stacked)
-        else:
-            dn = ((shift(lc), tuple(rc)), (shift(lb), tuple(rb)))
-            pos = len(lb)
-            operands = (stacked, shared)
-        params = dict(first.params, dimension_numbers=dn)
-        if params.get("out_sharding") is not None:
-            params["out_sharding"] = None
-        y = first.primitive.bind(*operands, **params)
+        stacked = jax.numpy.stack(others, 0)  # a new leading free axis of the other operand
+        y = _bind_fused_dot(first, side, shared, stacked, lambda d: d + 1)
+        pos = _free_output_start(first, side, shared.ndim)
         for k, m in enumerate(members):
             done.add(m)
             env[jaxpr.eqns[m].outvars[0]] = jax.lax.index_in_dim(y, k, pos, keepdims=False)
@@ -991,20 +978,9 @@ def _eval_fused(jaxpr, consts, args):
         blocked = [o.reshape(o.shape[:free] + (blocks, sz) + o.shape[free + 1:])
                    for o, sz in zip(others, sizes)]
         fused_w = jax.numpy.concatenate(blocked, axis=free + 1)
-        (lc, rc), (lb, rb) = first.params["dimension_numbers"]
-        shift = lambda dims: tuple(d + 1 if d > free else d for d in dims)
-        if side == 0:  # shared is lhs; output: batch, lhs free, rhs free (ours: blocks, inner)
-            dn = ((tuple(lc), shift(rc)), (tuple(lb), shift(rb)))
-            pos = len(lb) + (len(shared.shape) - len(lc) - len(lb))
-            operands = (shared, fused_w)
-        else:  # other is lhs: its free axes come first after the batch axes
-            dn = ((shift(lc), tuple(rc)), (shift(lb), tuple(rb)))
-            pos = len(lb)
-            operands = (fused_w, shared)
-        params = dict(first.params, dimension_numbers=dn)
-        if params.get("out_sharding") is not None:
-            params["out_sharding"] = None
-        y = first.primitive.bind(*operands, **params)
+        y = _bind_fused_dot(first, side, shared, fused_w, lambda d: d + 1 if d > free else d)
+        # the output's free axes of the other operand keep their order: find the blocks axis
+        pos = _free_output_start(first, side, shared.ndim) + _free_axes(first, side).index(free)
         offset = 0
         for m, sz in zip(members, sizes):
             part = jax.lax.slice_in_dim(y, offset, offset + sz, axis=pos + 1)
@@ -1016,6 +992,28 @@ def _eval_fused(jaxpr, consts, args):
     for i in range(len(jaxpr.eqns)):
         run(i)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _bind_fused_dot(eqn, side, shared, other, renumber):
+    """``eqn``'s dot_general with its non-shared operand replaced by ``other``, whose axes are
+    the old ones renumbered by ``renumber`` plus one new free axis."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    shift = lambda dims: tuple(renumber(d) for d in dims)  # noqa: E731
+    if side == 0:  # shared is lhs
+        dn, operands = ((tuple(lc), shift(rc)), (tuple(lb), shift(rb))), (shared, other)
+    else:
+        dn, operands = ((shift(lc), tuple(rc)), (shift(lb), tuple(rb))), (other, shared)
+    params = dict(eqn.params, dimension_numbers=dn)
+    if params.get("out_sharding") is not None:
+        params["out_sharding"] = None
+    return eqn.primitive.bind(*operands, **params)
+
+
+def _free_output_start(eqn, side, shared_ndim):
+    """Where the non-shared operand's free axes begin in the dot's output (batch axes first,
+    then the lhs free axes, then the rhs free axes)."""
+    (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+    return len(lb) + (shared_ndim - len(lc) - len(lb)) if side == 0 else len(lb)
 
 
 def _bind(eqn, vals):
