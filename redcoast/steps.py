@@ -6,6 +6,8 @@ with explicit shardings. Mixed precision: parameters are kept (and updated) in t
 run in that dtype while gradients arrive, are accumulated and are applied in fp32.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -77,8 +79,13 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
                     return split_loss_output(fused(p, batch, rng))
                 except LossError:
                     raise
-                except Exception:  # noqa: BLE001 - a program the rewrite cannot run: as written
-                    pass
+                except Exception as e:  # noqa: BLE001 - a program the rewrite cannot run: as written
+                    # the loss's own errors surface from this unfused trace, as written
+                    out = split_loss_output(training_loss(p, batch, rng, state))
+                    warnings.warn(f"redcoast could not fuse the loss's sibling matmuls "
+                                  f"({type(e).__name__}: {e}); the step runs as written, which "
+                                  "may move more bytes between model shards.", stacklevel=2)
+                    return out
             return split_loss_output(training_loss(p, batch, rng, state))
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return loss, metrics, grads

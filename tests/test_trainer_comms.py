@@ -28,3 +28,16 @@ def test_separate_q_k_v_and_gate_up_reach_megatron_traffic_through_the_trainer(m
     layer = per_layer(lambda depth: _trainer_step(make_arch, depth, n)[0], mesh)
     ideal = megatron_ideal(B // (jax.device_count() // n), T, H, n)
     assert layer["mp"]["wire_bytes"] / ideal["wire_bytes"] == pytest.approx(1.0)
+
+
+def test_a_loss_the_fusion_cannot_run_trains_as_written_with_a_warning(monkeypatch):
+    import redcoast.steps
+
+    def broken(fn, *args, **kwargs):
+        raise NotImplementedError("an op the rewrite does not know")
+
+    want = _trainer_step(plain_jax, 2, 2)[0]  # compiled with fusion
+    monkeypatch.setattr(redcoast.steps, "fuse_sibling_matmuls", broken)
+    with pytest.warns(UserWarning, match="could not fuse.*an op the rewrite does not know"):
+        got = _trainer_step(plain_jax, 2, 2)[0]
+    assert got.as_text() != want.as_text()  # the unfused program, still compiled
