@@ -80,7 +80,8 @@ def trainer_for(name, layers, n):
     model = make(layers)
     deployer = Deployer(n_model_shards=n, verbose=False)
     params = model.init(0)
-    return Trainer(deployer, None, model.apply, loss(model), params, optax.sgd(0.1), fsdp=False)
+    return Trainer(deployer, None, model.apply, loss(model), params, optax.sgd(0.1), fsdp=False,
+                   fuse_matmuls=True)
 
 
 def batch():

@@ -31,12 +31,15 @@ class Trainer:
     ``train_step_fn(state, batch, rng) -> (state, metrics)`` replaces the built-in step.
     ``fsdp`` (on by default) also splits parameters and optimizer state over the data-parallel
     axis (ZeRO-3), so each device holds about 1/device_count of them; ``fsdp=False`` keeps one
-    copy per data shard.
+    copy per data shard. ``fuse_matmuls`` runs sibling matmuls (Q/K/V, gate/up) of a split model
+    as one, so the step moves Megatron-LM's bytes between model shards; None (default) does so on
+    accelerators and not on CPU devices, whose collectives are memory copies that cost less than
+    the fused weights' copies (measured: +7% step time on 8 simulated CPU devices).
     """
 
     def __init__(self, deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
-                 compute_dtype=jnp.float32, train_step_fn=None, fsdp=True):
+                 compute_dtype=jnp.float32, train_step_fn=None, fsdp=True, fuse_matmuls=None):
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                               "positive integer.")
@@ -52,6 +55,8 @@ class Trainer:
         self.params_sharding_rules = params_sharding_rules
         self.train_step_fn = train_step_fn
         self.fsdp = bool(fsdp)
+        self.fuse_matmuls = (jax.devices()[0].platform != "cpu" if fuse_matmuls is None
+                             else bool(fuse_matmuls))
         # A first plan from the shapes alone, so the parameters are placed (and trainer.params
         # usable) at once; the first batch refines it from the loss's traced data flow.
         self.plan = deployer.get_sharding_plan(params, params_sharding_rules, fsdp=self.fsdp)
@@ -84,7 +89,7 @@ class Trainer:
         step_fn = self.train_step_fn or make_train_step(
             self.loss_fn, self.compute_dtype, self.accumulate_grad_batches,
             grad_shardings=self._state_shardings.params,
-            fuse_for_model_shards=self.deployer.n_model_shards,
+            fuse_for_model_shards=self.deployer.n_model_shards if self.fuse_matmuls else None,
             split_weights=split_weight_axes(self.plan.placements))
         batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(

@@ -47,7 +47,7 @@ def _train(name, n_model_shards):
     collate = lambda rows: {"ids": np.stack([r["ids"] for r in rows])}  # noqa: E731
     deployer = Deployer(n_model_shards=n_model_shards, verbose=False)
     trainer = Trainer(deployer, collate, model.apply, loss(model), model.init(0),
-                      optax.sgd(0.05, momentum=0.9))
+                      optax.sgd(0.05, momentum=0.9), fuse_matmuls=True)
     # a global batch of 8 whatever the layout: two identical updates
     trainer.train(examples, per_device_batch_size=8 // deployer.n_data_shards, shuffle=False)
     return trainer

@@ -9,12 +9,13 @@ from redcoast import Deployer, Trainer
 from redcoast.comms import megatron_ideal, per_layer
 
 
-def _trainer_step(make_arch, depth, n_model_shards):
+def _trainer_step(make_arch, depth, n_model_shards, fuse=True):
     arch = make_arch(n_layers=depth)
     deployer = Deployer(n_model_shards=n_model_shards, verbose=False)
     trainer = Trainer(deployer=deployer, collate_fn=lambda rows: rows, apply_fn=None,
                       loss_fn=lambda rng, state, params, batch, is_training: arch.loss(params, batch),
-                      params=arch.params, optimizer=optax.sgd(0.1), fsdp=False)
+                      params=arch.params, optimizer=optax.sgd(0.1), fsdp=False,
+                      fuse_matmuls=fuse)
     return trainer.compile_train_step(arch.batch), deployer.mesh
 
 
@@ -28,6 +29,14 @@ def test_separate_q_k_v_and_gate_up_reach_megatron_traffic_through_the_trainer(m
     layer = per_layer(lambda depth: _trainer_step(make_arch, depth, n)[0], mesh)
     ideal = megatron_ideal(B // (jax.device_count() // n), T, H, n)
     assert layer["mp"]["wire_bytes"] / ideal["wire_bytes"] == pytest.approx(1.0)
+
+
+def test_on_cpu_devices_fusion_is_off_unless_asked():
+    # simulated CPU devices: collectives are memory copies, fusion costs more than it saves
+    as_written = per_layer(lambda depth: _trainer_step(plain_jax, depth, 4, fuse=None)[0],
+                           _trainer_step(plain_jax, 2, 4)[1])
+    ideal = megatron_ideal(B // (jax.device_count() // 4), T, H, 4)
+    assert as_written["mp"]["wire_bytes"] / ideal["wire_bytes"] == pytest.approx(1.5)
 
 
 def test_a_loss_the_fusion_cannot_run_trains_as_written_with_a_warning(monkeypatch):
