@@ -12,7 +12,7 @@ from .export import save_params
 from .logs import RunLogger
 from .schedules import make_lr_schedule, n_updates_per_epoch
 from .sharding import ShardingPlan
-from .sharding.dataflow import DataflowError, dataflow_placements
+from .sharding.dataflow import traced_placements
 
 
 class Deployer:
@@ -127,11 +127,10 @@ class Deployer:
         ``jax.ShapeDtypeStruct`` inputs) the plan follows its data flow; without, or when it
         cannot be traced, the plan comes from shapes and order alone."""
         if base_placements is None and traced_fn is not None:
-            try:
-                base_placements = dataflow_placements(traced_fn, params, *example_args,
-                                                      n_model_shards=self.n_model_shards)
-            except DataflowError as e:
-                self.log_warning(f"sharding from shapes only: {e}")
+            base_placements, source = traced_placements(traced_fn, params, *example_args,
+                                                        n_model_shards=self.n_model_shards)
+            if base_placements is None:
+                self.log_warning(f"sharding from {source}")
         return ShardingPlan(params, self.mesh, user_rules=params_sharding_rules,
                             base_placements=base_placements, fsdp=fsdp)
 

@@ -17,7 +17,7 @@ from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
 from .predictor import Predictor
 from .preemption import PreemptionGuard
-from .sharding.dataflow import dataflow_placements, split_weight_axes
+from .sharding.dataflow import split_weight_axes, traced_placements
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
 
@@ -111,13 +111,8 @@ class Trainer:
         def traced_loss(params, batch):
             return self.loss_fn(jax.random.PRNGKey(0), state, cast_floating(params, dtype), batch, True)
 
-        try:
-            placements = dataflow_placements(traced_loss, state.params, abstract_batch,
-                                             n_model_shards=self.deployer.n_model_shards)
-            source = "the traced data flow of loss_fn"
-        except Exception as e:  # any model the analysis cannot follow keeps the shape rules
-            placements = None
-            source = f"shapes and order only (the data-flow analysis failed: {type(e).__name__}: {e})"
+        placements, source = traced_placements(traced_loss, state.params, abstract_batch,
+                                               n_model_shards=self.deployer.n_model_shards)
         plan = self.deployer.get_sharding_plan(state.params, self.params_sharding_rules,
                                                base_placements=placements, fsdp=self.fsdp)
         return plan, source
@@ -153,7 +148,7 @@ class Trainer:
 
     def _settle_model_shards(self, make_batch):
         """For ``n_model_shards='auto'``: the fewest model shards whose compiled training step fits
-        a device's memory (``make_batch(global_batch_size)`` gives a first micro-batch)."""
+        a device's memory (``make_batch()`` gives a first micro-batch on the current mesh)."""
         deployer = self.deployer
         if not deployer.model_shards_pending:
             return
@@ -231,9 +226,7 @@ class Trainer:
         ``redcoast.comms.collective_report``. Fixes the sharding plan, as the first batch would."""
         self._finalize_plan(jax.tree_util.tree_map(
             lambda x: x[0] if self.accumulate_grad_batches > 1 else x, example_batch))
-        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                                          example_batch)
-        return self._train_step.lower(self._state, abstract, self._train_rng).compile()
+        return self._train_step.lower(self._state, _abstract(example_batch), self._train_rng).compile()
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
               log_every_n_steps=10, start_position=0, after_step=None):

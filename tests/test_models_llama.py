@@ -9,6 +9,7 @@ import pytest
 import redcoast
 from redcoast.errors import ConfigError
 from redcoast.models import from_pretrained, hf, llama, save_pretrained
+from redcoast.models.pretrained import from_reader
 
 torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
 transformers = pytest.importorskip("transformers")
@@ -275,12 +276,12 @@ def test_compute_dtype_and_remat(folders):
         np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4 * np.abs(theirs).max(), rtol=0)
 
 
-def test_params_from_tensors(folders):
+def test_in_memory_tensors_load_like_the_folder(folders):
     folder, _ = folders("qwen2")
     model, params = from_pretrained(folder)
     reader = hf.SafetensorsFolder(folder)
     tensors = {name: reader.read(name) for name in reader.names()}
-    again = llama.params_from_tensors(model, tensors)
+    _, again = from_reader(hf.read_config(folder), hf.TensorDict(tensors))
     jax.tree_util.tree_map(np.testing.assert_array_equal, params, again)
 
 

@@ -90,6 +90,24 @@ class SafetensorsFolder:
         return np.asarray(sl[tuple(index)])
 
 
+class TensorDict:
+    """A reader over in-memory ``{name: array}`` with :class:`SafetensorsFolder`'s interface
+    (``shape(name)``, ``read(name, index)``), for weights that come from elsewhere; pass it to
+    :func:`redcoast.models.pretrained.from_reader`."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def shape(self, name):
+        if name not in self.tensors:
+            raise ConfigError(f"tensor {name!r} is missing from the given tensors")
+        return tuple(np.shape(self.tensors[name]))
+
+    def read(self, name, index=None):
+        array = self.tensors[name]
+        return np.asarray(array if index is None else array[tuple(index)])
+
+
 @dataclass(frozen=True)
 class Source:
     """Where one parameter comes from: a stored tensor, possibly transposed (2-D only).

@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.core import FrozenDict
 
@@ -409,31 +408,4 @@ def hf_sources(config, module_cls=LlamaForCausalLM):
 def example_inputs(config, module_cls=LlamaForCausalLM):
     """Abstract ``input_ids`` for tracing the forward pass (the sharding plan)."""
     return (jax.ShapeDtypeStruct((1, 8), jnp.int32),)
-
-
-class TensorDict:
-    """A reader over in-memory ``{name: array}`` with the interface :func:`hf.load_params`
-    uses (``shape(name)``, ``read(name, index)``), so weights from any source load the same way
-    as a safetensors folder."""
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def shape(self, name):
-        if name not in self.tensors:
-            raise ConfigError(f"tensor {name!r} is missing; a Llama-family checkpoint needs it.")
-        return tuple(np.shape(self.tensors[name]))
-
-    def read(self, name, index=None):
-        array = self.tensors[name]
-        return np.asarray(array if index is None else array[tuple(index)])
-
-
-def params_from_tensors(model, tensors, shardings=None):
-    """The params of ``model`` (a :class:`~redcoast.models.base.Model` of this family) from
-    ``{Hugging Face tensor name: array}``, each placed by ``shardings`` (a pytree mirroring the
-    params, default: the first device). For weights that come from elsewhere than safetensors,
-    e.g. a GGUF file converted to Hugging Face names and layouts."""
-    return hf.load_params(TensorDict(tensors), hf_sources(model.config, model.module_cls),
-                          model.abstract_params(), shardings)
 

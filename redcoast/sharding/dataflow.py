@@ -853,6 +853,16 @@ def dataflow_placements(fn, params, *example_args, n_model_shards):
     return out
 
 
+def traced_placements(fn, params, *example_args, n_model_shards):
+    """``(placements, where they came from)`` by :func:`dataflow_placements`, or ``(None, why
+    not)`` when the analysis cannot follow ``fn`` (the caller then keeps the shape rules)."""
+    try:
+        return (dataflow_placements(fn, params, *example_args, n_model_shards=n_model_shards),
+                "the traced data flow")
+    except Exception as e:  # noqa: BLE001 - any program the analysis cannot follow
+        return None, f"shapes and order only (the data-flow analysis failed: {type(e).__name__}: {e})"
+
+
 # ---- executing the plan at Megatron's traffic: fuse sibling matmuls ----------------------------
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 
