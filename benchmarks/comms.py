@@ -4,10 +4,12 @@ For every test architecture (tests/architectures.py) and 2, 4, 8 model shards on
 devices: derive the plan with ``dataflow_placements``, compile one SGD training step at two
 depths, and difference their collectives (redcoast/comms.py) to get one layer's traffic. The ratio
 is per-layer 'mp' wire bytes over Megatron's (2 all-reduces of the [batch, seq, hidden] activation
-forward and 2 backward; 3 + 3 with cross-attention). Data-parallel gradient reduction ('dp') and
+forward and 2 backward; 3 + 3 with cross-attention; for layers under jax.checkpoint, as with
+Megatron's full activation recomputation, the forward's all-reduces once more). Data-parallel gradient reduction ('dp') and
 collectives spanning both axes ('all'/'mixed') are shown apart. The 'fused' column runs the same
 plan with ``fuse_sibling_matmuls`` (matmuls sharing an input stacked into one, so the backward pass
-sums their input gradients locally and all-reduces once).
+sums their input gradients locally and all-reduces once; an MoE's expert outputs summed with
+their gates before the all-reduce).
 
     python benchmarks/comms.py [architecture ...]
 """
@@ -25,7 +27,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from architectures import ARCHITECTURES, B  # noqa: E402
 from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
-from redcoast.sharding.dataflow import dataflow_placements, fuse_sibling_matmuls, split_weight_axes  # noqa: E402
+from redcoast.sharding.dataflow import dataflow_placements  # noqa: E402
+from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes  # noqa: E402
 from redcoast.sharding.paths import path_to_tuple  # noqa: E402
 
 
@@ -49,7 +52,8 @@ def measure(name, n, fuse=False):
     mesh = jax.make_mesh((8 // n, n), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2)
     layer = per_layer(lambda depth: compiled_step(ARCHITECTURES[name](n_layers=depth), n, mesh, fuse), mesh)
     arch = ARCHITECTURES[name]()
-    ideal = megatron_ideal(B // (8 // n), arch.seq, arch.hidden, n, cross_attention=arch.cross_attention)
+    ideal = megatron_ideal(B // (8 // n), arch.seq, arch.hidden, n, cross_attention=arch.cross_attention,
+                           recompute=arch.recompute)
     get = lambda axis, key: layer.get(axis, {}).get(key, 0)
     if fuse:
         return {"mp_ratio": get("mp", "wire_bytes") / ideal["wire_bytes"], "mp_count": get("mp", "count")}
@@ -61,15 +65,16 @@ def measure(name, n, fuse=False):
 def main(names):
     print("mp bytes / Megatron: per-layer model-parallel wire bytes over Megatron-LM's; 'placement'")
     print("runs the user's function as written, 'fused' through fuse_sibling_matmuls.")
-    print(f"{'architecture':<16}{'mp':>3}  {'mp collectives/layer':>21}  {'placement':>10}  {'fused':>6}"
+    print(f"{'architecture':<21}{'mp':>3}  {'mp collectives/layer':>21}  {'placement':>10}  {'fused':>6}"
           f"  {'dp bytes/layer':>15}  {'dp+mp bytes/layer':>18}")
     t0 = time.perf_counter()
     for name in names:
         for n in (2, 4, 8):
             r = measure(name, n)
             f = measure(name, n, fuse=True)
-            print(f"{name:<16}{n:>3}  {r['mp_count']:>10g} (ideal {r['ideal_count']})  {r['mp_ratio']:>9.2f}x"
-                  f"  {f['mp_ratio']:>5.2f}x  {r['dp_bytes']:>15,.0f}  {r['both_bytes']:>18,.0f}", flush=True)
+            label = name + (" (remat)" if ARCHITECTURES[name]().recompute else "")
+            print(f"{label:<21}{n:>3}  {r['mp_count']:>10g} (ideal {r['ideal_count']})  {r['mp_ratio']:>9.3f}x"
+                  f"  {f['mp_ratio']:>5.3f}x  {r['dp_bytes']:>15,.0f}  {r['both_bytes']:>18,.0f}", flush=True)
     print(f"({time.perf_counter() - t0:.0f} s; jax {jax.__version__}, {jax.device_count()} CPU devices)")
 
 

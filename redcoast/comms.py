@@ -289,14 +289,17 @@ def collective_report(compiled, mesh=None):
     return CollectiveReport(out, unknown)
 
 
-def megatron_ideal(batch_per_device, seq, hidden, n_model_shards, itemsize=4, cross_attention=False):
+def megatron_ideal(batch_per_device, seq, hidden, n_model_shards, itemsize=4, cross_attention=False,
+                   recompute=False):
     """Megatron-LM's per-layer model-parallel traffic for one training step (forward + backward).
 
     Forward: two all-reduces of the [batch, seq, hidden] activation per layer (three for a decoder
-    layer with cross-attention); backward the same again. Returns ``{'count', 'bytes',
-    'wire_bytes'}`` for one device.
+    layer with cross-attention); backward the same again. With ``recompute`` (a layer under
+    ``jax.checkpoint``, Megatron's full activation recomputation) the backward pass first runs the
+    layer's forward again, all-reduces included. Returns ``{'count', 'bytes', 'wire_bytes'}`` for
+    one device.
     """
-    n = 2 * (3 if cross_attention else 2)
+    n = (3 if recompute else 2) * (3 if cross_attention else 2)
     act = batch_per_device * seq * hidden * itemsize
     g = n_model_shards
     return {"count": n, "bytes": n * act, "wire_bytes": n * 2 * (g - 1) / g * act}

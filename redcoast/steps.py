@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from .errors import LossError
-from .sharding.dataflow import fuse_sibling_matmuls
+from .sharding.fusion import fuse_sibling_matmuls
 
 
 def cast_floating(tree, dtype):

@@ -17,7 +17,8 @@ from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
 from .predictor import Predictor
 from .preemption import PreemptionGuard
-from .sharding.dataflow import split_weight_axes, traced_placements
+from .sharding.dataflow import traced_placements
+from .sharding.fusion import split_weight_axes
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
 

@@ -27,6 +27,7 @@ class Arch:
     hidden: int = H
     seq: int = T
     cross_attention: bool = False
+    recompute: bool = False  # layers under jax.checkpoint: their forward runs again in the backward
 
 
 class _Init:
@@ -364,7 +365,7 @@ def encoder_decoder(n_layers=2, seed=0):
 
 
 # ---- 9. layers stacked along a leading axis and run with lax.scan (+ remat) ----------------------
-def scan_stacked(n_layers=2, seed=0):
+def scan_stacked(n_layers=2, seed=0, remat=True):
     w = _Init(seed)
     L = n_layers
     params = {"embedding": w(V, H), "stack": {
@@ -372,13 +373,15 @@ def scan_stacked(n_layers=2, seed=0):
         "wo": w(L, NH, HD, H), "norm_m": w.ones(L, H), "w_up": w(L, H, F), "b_up": w.zeros(L, F),
         "w_down": w(L, F, H)}, "norm": w.ones(H), "head": w(H, V)}
 
-    @jax.checkpoint
     def layer(h, lyr):
         x = rms_norm(h, lyr["norm_a"])
         q, k, v = (jnp.einsum("btd,dhk->bthk", x, lyr[n]) for n in ("wq", "wk", "wv"))
         h = h + jnp.einsum("bthk,hkd->btd", attend(q, k, v), lyr["wo"])
         x = rms_norm(h, lyr["norm_m"])
         return h + jax.nn.gelu(x @ lyr["w_up"] + lyr["b_up"]) @ lyr["w_down"]
+
+    if remat:
+        layer = jax.checkpoint(layer)
 
     def loss(p, batch):
         h = p["embedding"][batch["inputs"]]
@@ -389,7 +392,7 @@ def scan_stacked(n_layers=2, seed=0):
     exp = {s + "wq": P(None, None, "mp"), s + "wk": P(None, None, "mp"), s + "wo": P(None, "mp"),
            s + "w_up": P(None, None, "mp"), s + "b_up": P(None, "mp"), s + "w_down": P(None, "mp"),
            s + "norm_a": REP, "embedding": ROW, "head": COL}
-    return Arch("scan_stacked", params, loss, _tokens(), {4: exp, 2: exp})
+    return Arch("scan_stacked", params, loss, _tokens(), {4: exp, 2: exp}, recompute=remat)
 
 
 # ---- 10. GPT-2: Conv1D (in, out) weights, fused c_attn (hidden, 3*hidden), tied wte, wpe ----------

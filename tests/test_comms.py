@@ -73,6 +73,9 @@ def test_a_megatron_mlp_stack_moves_two_all_reduces_per_layer(mesh):
     assert layer["mp"]["bytes"] == 2 * act
     assert layer["mp"]["wire_bytes"] == pytest.approx(ideal["wire_bytes"] / 2)
     assert ideal["count"] == 4 and megatron_ideal(1, 1, 1, 2, cross_attention=True)["count"] == 6
+    # full activation recomputation runs the forward's all-reduces again in the backward
+    assert megatron_ideal(1, 1, 1, 2, recompute=True)["count"] == 6
+    assert megatron_ideal(1, 1, 1, 2, cross_attention=True, recompute=True)["count"] == 9
 
 
 HLO = """HloModule m, entry_computation_layout={()->f32[]}

@@ -7,10 +7,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from redcoast.comms import megatron_ideal, per_layer
-from redcoast.sharding.dataflow import DataflowError, dataflow_placements, fuse_sibling_matmuls
+from redcoast.sharding.dataflow import DataflowError, dataflow_placements
+from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes
 from redcoast.sharding.paths import path_to_tuple
 
-from architectures import ARCHITECTURES, B, gqa, plain_jax, scan_stacked, transposed
+from architectures import ARCHITECTURES, B, H, T, gqa, moe, plain_jax, scan_stacked, transposed
 
 LR = 0.1
 
@@ -168,6 +169,29 @@ def test_fused_siblings_compute_the_same_loss_and_gradients(make_arch, n):
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
+
+
+def _dot_output_shapes(fn, arch):
+    jaxpr = jax.make_jaxpr(fn)(arch.params, arch.batch).jaxpr
+    return [tuple(e.outvars[0].aval.shape) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+def test_moe_expert_outputs_are_summed_with_their_gates_before_the_all_reduce():
+    # 4 experts on 8 shards: each expert's ffn axis is split, so einsum('btef,efd->bted') is a
+    # partial sum over the shards, 4x an activation; the rewrite applies the gates first and
+    # contracts experts and ffn in one matmul: the partial sum is the [b, t, d] output
+    arch = moe()
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=8)
+    fused = fuse_sibling_matmuls(arch.loss, 8, split_weight_axes(placements))
+    expert_outputs = lambda fn: [s for s in _dot_output_shapes(fn, arch) if 4 in s and H in s and len(s) == 4]  # noqa: E731
+    assert len(expert_outputs(arch.loss)) == len(arch.params["layers"])
+    assert expert_outputs(fused) == []
+    # unknown split weights (no plan): nothing is reassociated
+    assert len(expert_outputs(fuse_sibling_matmuls(arch.loss, 8))) == len(arch.params["layers"])
+    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
+    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 def _per_layer_ratio(loss_of, n):
     mesh = mesh_for(n)

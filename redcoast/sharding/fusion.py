@@ -1,0 +1,395 @@
+"""Running a tensor-parallel plan at Megatron-LM's traffic: rewrites of the traced function.
+
+Under a plan from :mod:`.dataflow`, XLA inserts one all-reduce per matmul whose output is a partial
+sum over the model shards. Two rewrites of the user's function (same math, up to floating-point
+summation order) bring that down to Megatron's count:
+
+* sibling matmuls that share an input (Q, K, V; gate and up) run as one matmul, so the backward
+  pass sums their input gradients locally and all-reduces once;
+* a matmul whose partial-sum output only feeds another contraction (an MoE's gate-weighted sum
+  of its experts' outputs) is reassociated, so that the sum over shards happens once, on the
+  smaller result.
+"""
+
+import contextvars
+import string
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from .dataflow import MP
+
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+
+
+# Model shards the fused matmuls are laid out for (set while a fused function is traced): matmuls
+# of different output widths are concatenated shard-block by shard-block, so that each device's
+# slice of the fused weight is made of its slices of the separate ones.
+_BLOCKS = contextvars.ContextVar("redcoast_fusion_blocks", default=1)
+# (shape, axis) of the weights the plan splits over the model shards, or None (unknown: fuse
+# every group). A matmul is fused only if its weight is split along a free axis: fusing
+# replicated weights makes XLA move more (measured: GQA with K/V replicated, 1.08x -> 1.21x).
+_SPLIT = contextvars.ContextVar("redcoast_fusion_split", default=None)
+
+
+def _split_along(shape, axes):
+    split = _SPLIT.get()
+    return split is None or any((shape, a) in split for a in axes)
+
+
+def _free_axes(eqn, side):
+    """The free (neither contracted nor batch) axes of the non-shared operand."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    other = eqn.invars[1 - side]
+    bound = set(rc) | set(rb) if side == 0 else set(lc) | set(lb)
+    return [d for d in range(len(other.aval.shape)) if d not in bound]
+
+
+def _sibling_key(eqn, blocks):
+    """Matmuls that share one operand (the same variable, same side, same dimension numbers) can
+    run as one matmul: over the stacked others when those have one shape, or (with ``blocks``
+    model shards) over the others concatenated block-wise along a free axis (the heads of a
+    grouped-query Q beside K and V) whose size ``blocks`` divides in each."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    a, b = eqn.invars
+    params = tuple(sorted((k, str(v)) for k, v in eqn.params.items()))
+    for side, (shared, other) in enumerate(((a, b), (b, a))):
+        if isinstance(shared, jcore.Var) and isinstance(other, jcore.Var):
+            shape, dtype = tuple(other.aval.shape), str(other.aval.dtype)
+            free_axes = _free_axes(eqn, side)
+            if _split_along(shape, free_axes):
+                yield ("stack", id(shared), side, params, shape, dtype)
+            for free in (free_axes if blocks > 1 else ()):
+                if shape[free] % blocks == 0 and _split_along(shape, [free]):
+                    masked = shape[:free] + (None,) + shape[free + 1:]
+                    yield ("concat", id(shared), side, params, masked, dtype, free)
+
+
+def _groups(jaxpr, blocks=1):
+    """{eqn index: (group eqn indices, side, how)} for sibling matmuls of one jaxpr (groups of
+    2+); ``how`` is "stack" or the free axis to concatenate along. The largest groups win;
+    among equal ones, stacking (one shape) before concatenating."""
+    by_key = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for key in _sibling_key(eqn, blocks) or ():
+            by_key.setdefault(key, []).append(i)
+    taken, out = set(), {}
+    for key, members in sorted(by_key.items(), key=lambda kv: (-len(kv[1]), kv[0][0] != "stack")):
+        members = [m for m in members if m not in taken]
+        if len(members) > 1:
+            how = "stack" if key[0] == "stack" else key[6]
+            for m in members:
+                out[m] = (members, key[2], how)
+            taken.update(members)
+    return out
+
+
+def _uses(jaxpr):
+    """How many times each variable is read (by equations or as an output)."""
+    count = {}
+    for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
+        if isinstance(v, jcore.Var):
+            count[v] = count.get(v, 0) + 1
+    return count
+
+
+def _dot_labels(eqn, lhs, rhs):
+    """Einsum labels of a dot_general: operand labels with contracted and batch pairs tied, and
+    the output's (batch axes, then lhs free, then rhs free)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    rhs = list(rhs)
+    for i, j in zip(list(lc) + list(lb), list(rc) + list(rb)):
+        rhs[j] = lhs[i]
+    out = [lhs[i] for i in lb] + [x for i, x in enumerate(lhs) if i not in lc and i not in lb] \
+        + [x for j, x in enumerate(rhs) if j not in rc and j not in rb]
+    return list(lhs), rhs, out
+
+
+def _partial_chains(jaxpr, groups):
+    """{index of a contraction: (index of the row-parallel matmul feeding it, index of the
+    transpose between them or None, side of the weight)}.
+
+    The first matmul contracts a weight along its split axis, so its output is a partial sum that
+    XLA all-reduces at once; when that output (possibly transposed) is read only by a second
+    contraction that makes it smaller (an MoE's ``einsum('bted,bte->btd', expert_out, gates)``),
+    both run as one: the gates are applied to the first matmul's other operand and the weight is
+    contracted over its split axis and the experts together, so one all-reduce of the small result
+    remains. Only when the weights the plan splits are known, and never when it would build an
+    operand larger than the tensors it replaces.
+    """
+    if _SPLIT.get() is None:
+        return {}
+    uses, producer = _uses(jaxpr), {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    out = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "dot_general":
+            continue
+        for side2, v in enumerate(eqn.invars):
+            chain = _row_parallel_source(jaxpr, v, uses, producer, groups)
+            if chain is not None and _reassociation(jaxpr, k, side2, *chain) is not None:
+                out[k] = (side2, *chain)
+                break
+    return out
+
+
+def _row_parallel_source(jaxpr, v, uses, producer, groups):
+    """(matmul index, transpose index or None, weight side) when ``v`` is read once and is the
+    output (possibly transposed once) of a matmul contracting a split weight."""
+    if not isinstance(v, jcore.Var) or uses.get(v) != 1 or v not in producer:
+        return None
+    t, i = None, producer[v]
+    if jaxpr.eqns[i].primitive.name == "transpose":
+        src = jaxpr.eqns[i].invars[0]
+        if not isinstance(src, jcore.Var) or uses.get(src) != 1 or src not in producer:
+            return None
+        t, i = i, producer[src]
+    eqn = jaxpr.eqns[i]
+    if eqn.primitive.name != "dot_general" or i in groups:
+        return None
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    for side, contract in ((0, lc), (1, rc)):
+        w = eqn.invars[side]
+        if isinstance(w, jcore.Var) and contract and _split_along(tuple(w.aval.shape), contract):
+            return i, t, side
+    return None
+
+
+def _reassociation(jaxpr, k, side2, i, t, wside):
+    """The two einsum specs (x = a * g; out = x . w) that compute contraction ``k`` from the
+    operands of matmul ``i``, or None when that would not shrink the all-reduced tensor or
+    would need an operand larger than those it replaces."""
+    first, second = jaxpr.eqns[i], jaxpr.eqns[k]
+    letters = iter(string.ascii_letters)
+    fresh = lambda v: [next(letters) for _ in v.aval.shape]  # noqa: E731
+    l0, l1, partial = _dot_labels(first, fresh(first.invars[0]), fresh(first.invars[1]))
+    if t is not None:
+        partial = [partial[p] for p in jaxpr.eqns[t].params["permutation"]]
+    other = second.invars[1 - side2]
+    lo = fresh(other)
+    if side2 == 0:
+        _, lo, lout = _dot_labels(second, partial, lo)
+    else:
+        lo, _, lout = _dot_labels(second, lo, partial)
+    la, lw = (l1, l0) if wside == 0 else (l0, l1)
+    a, w = first.invars[1 - wside], first.invars[wside]
+    if set(lo) - set(la) - set(lw):  # the other operand brings axes of its own: not a gate
+        return None
+    lx = [x for x in dict.fromkeys(la + lo) if x in lw or x in lout]
+    sizes = {x: n for v, ls in ((a, la), (w, lw), (other, lo)) for x, n in zip(ls, v.aval.shape)}
+    size = lambda ls: int(np.prod([sizes[x] for x in ls]))  # noqa: E731
+    if size(lout) >= size(partial) or size(lx) > max(size(la), size(partial)):
+        return None
+    return (f"{''.join(la)},{''.join(lo)}->{''.join(lx)}", f"{''.join(lx)},{''.join(lw)}->{''.join(lout)}",
+            a, other, w)
+
+
+def _eval_fused(jaxpr, consts, args):
+    """Evaluate ``jaxpr`` with jit calls inlined and sibling matmuls fused (demand-driven, so
+    that every stacked operand is computed before the one matmul that uses them all)."""
+    jaxpr = _inline(jaxpr, consts)
+    env = dict(jaxpr.const_env)
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    blocks = _BLOCKS.get()
+    groups = _groups(jaxpr, blocks)
+    chains = _partial_chains(jaxpr, groups)
+    # the matmul (and transpose) a chain replaces: computed inside the chain, never on their own
+    done = {j for _, i, t, _ in chains.values() for j in (i, t) if j is not None}
+
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if v not in env:
+            run(producer[v])
+        return env[v]
+
+    def run(i):
+        if i in done:
+            return
+        eqn = jaxpr.eqns[i]
+        if i in groups:
+            members, side, how = groups[i]
+            if how == "stack":
+                run_group(members, side)
+            else:
+                run_concat_group(members, side, how)
+            return
+        done.add(i)
+        if i in chains:
+            run_chain(i, *chains[i])
+            return
+        vals = [read(v) for v in eqn.invars]
+        outs = _bind(eqn, vals)
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+
+    def run_group(members, side):
+        first = jaxpr.eqns[members[0]]
+        shared = read(first.invars[side])
+        others = [read(jaxpr.eqns[m].invars[1 - side]) for m in members]
+        stacked = jax.numpy.stack(others, 0)  # a new leading free axis of the other operand
+        y = _bind_fused_dot(first, side, shared, stacked, lambda d: d + 1)
+        pos = _free_output_start(first, side, shared.ndim)
+        for k, m in enumerate(members):
+            done.add(m)
+            env[jaxpr.eqns[m].outvars[0]] = jax.lax.index_in_dim(y, k, pos, keepdims=False)
+
+    def run_concat_group(members, side, free):
+        # Each weight (free axis of size s_i) is viewed as (blocks, s_i / blocks) and the views
+        # are concatenated on the inner axis: with the free axis split over 'blocks' model
+        # shards, every device's block of the fused weight is its own blocks of the separate ones.
+        first = jaxpr.eqns[members[0]]
+        shared = read(first.invars[side])
+        others = [read(jaxpr.eqns[m].invars[1 - side]) for m in members]
+        sizes = [o.shape[free] // blocks for o in others]
+        blocked = [o.reshape(o.shape[:free] + (blocks, sz) + o.shape[free + 1:])
+                   for o, sz in zip(others, sizes)]
+        fused_w = jax.numpy.concatenate(blocked, axis=free + 1)
+        y = _bind_fused_dot(first, side, shared, fused_w, lambda d: d + 1 if d > free else d)
+        # the output's free axes of the other operand keep their order: find the blocks axis
+        pos = _free_output_start(first, side, shared.ndim) + _free_axes(first, side).index(free)
+        offset = 0
+        for m, sz in zip(members, sizes):
+            part = jax.lax.slice_in_dim(y, offset, offset + sz, axis=pos + 1)
+            env[jaxpr.eqns[m].outvars[0]] = part.reshape(
+                part.shape[:pos] + (blocks * sz,) + part.shape[pos + 2:])
+            done.add(m)
+            offset += sz
+
+    def run_chain(k, side2, i, t, wside):
+        gate_spec, dot_spec, a, other, w = _reassociation(jaxpr, k, side2, i, t, wside)
+        first, second = jaxpr.eqns[i], jaxpr.eqns[k]
+        x = jax.numpy.einsum(gate_spec, read(a), read(other))
+        y = jax.numpy.einsum(dot_spec, x, read(w), precision=first.params.get("precision"),
+                             preferred_element_type=second.outvars[0].aval.dtype)
+        env[second.outvars[0]] = y.astype(second.outvars[0].aval.dtype)
+
+    for i in range(len(jaxpr.eqns)):
+        run(i)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind_fused_dot(eqn, side, shared, other, renumber):
+    """``eqn``'s dot_general with its non-shared operand replaced by ``other``, whose axes are
+    the old ones renumbered by ``renumber`` plus one new free axis."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    shift = lambda dims: tuple(renumber(d) for d in dims)  # noqa: E731
+    if side == 0:  # shared is lhs
+        dn, operands = ((tuple(lc), shift(rc)), (tuple(lb), shift(rb))), (shared, other)
+    else:
+        dn, operands = ((shift(lc), tuple(rc)), (shift(lb), tuple(rb))), (other, shared)
+    params = dict(eqn.params, dimension_numbers=dn)
+    if params.get("out_sharding") is not None:
+        params["out_sharding"] = None
+    return eqn.primitive.bind(*operands, **params)
+
+
+def _free_output_start(eqn, side, shared_ndim):
+    """Where the non-shared operand's free axes begin in the dot's output (batch axes first,
+    then the lhs free axes, then the rhs free axes)."""
+    (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+    return len(lb) + (shared_ndim - len(lc) - len(lb)) if side == 0 else len(lb)
+
+
+def _bind(eqn, vals):
+    name = eqn.primitive.name
+    params = dict(eqn.params)
+    if name in ("checkpoint", "remat", "remat2") and isinstance(params.get("jaxpr"), jcore.Jaxpr) \
+            and not params["jaxpr"].constvars:
+        # a rematerialised body (jax.checkpoint, nnx.remat): fused inside, still rematerialised
+        body = params["jaxpr"]
+        run = jax.checkpoint(lambda *a: _eval_fused(body, (), a), prevent_cse=params["prevent_cse"],
+                             policy=params["policy"])
+        with eqn.ctx.manager:
+            return list(run(*vals))
+    if name == "scan":
+        params["jaxpr"] = _fused_closed(params["jaxpr"])
+    bind_params = eqn.primitive.get_bind_params(params)  # as jax.core.eval_jaxpr does
+    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
+        subfuns, bind_params = bind_params
+        vals = [*subfuns, *vals]
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*vals, **bind_params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _fused_closed(closed):
+    """The same ClosedJaxpr with sibling matmuls fused (for scan bodies: stacked layers)."""
+    avals = [v.aval for v in closed.jaxpr.invars]
+    fn = lambda *a: _eval_fused(closed.jaxpr, closed.consts, a)
+    return jax.make_jaxpr(fn)(*avals)
+
+
+def _inline(jaxpr, consts):
+    """``jaxpr`` with its constants bound and jit sub-calls inlined, as a new flat Jaxpr."""
+    def flat(*args):
+        return _eval_inline(jaxpr, consts, args)
+    closed = jax.make_jaxpr(flat)(*[v.aval for v in jaxpr.invars])
+    return _Bound(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)))
+
+
+class _Bound:
+    """A jaxpr whose constvars are already bound to values (read like invars)."""
+    def __init__(self, jaxpr, const_env):
+        self.jaxpr, self.const_env = jaxpr, const_env
+        self.invars, self.outvars, self.eqns = jaxpr.invars, jaxpr.outvars, jaxpr.eqns
+
+
+def _eval_inline(jaxpr, consts, args):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in _INLINE:
+            sub = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
+            outs = _eval_inline(sub.jaxpr, sub.consts, vals) if hasattr(sub, "jaxpr") else _eval_inline(sub, (), vals)
+        else:
+            outs = _bind(eqn, vals)
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def fuse_sibling_matmuls(fn, n_model_shards=1, split_weights=None):
+    """``fn`` with matmuls that share an input run as one matmul over stacked weights.
+
+    Under a tensor-parallel plan, Q, K and V (or gate and up) computed as separate matmuls of the
+    same input make XLA all-reduce each partial input gradient separately in the backward pass;
+    stacked, the input gradient is summed locally and all-reduced once, as Megatron-LM does. The
+    result is the same function (up to floating-point summation order); weights stay separate.
+    With ``n_model_shards`` > 1, weights of different output widths (grouped-query Q beside K/V)
+    are fused too, concatenated block by block so that a split of each weight's output axis over
+    that many shards stays a local slice of the fused one. ``split_weights``: the (shape, axis)
+    pairs of the weights the plan splits (see :func:`split_weight_axes`); only matmuls with such a
+    weight, split along an output axis, are fused. None fuses every group.
+    """
+    def fused(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        flat_args = jax.tree_util.tree_leaves(args)
+        tokens = _BLOCKS.set(int(n_model_shards)), _SPLIT.set(
+            None if split_weights is None else frozenset(split_weights))
+        try:
+            outs = _eval_fused(closed.jaxpr, closed.consts, flat_args)
+        finally:
+            _BLOCKS.reset(tokens[0])
+            _SPLIT.reset(tokens[1])
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return fused
+
+
+def split_weight_axes(placements, axis_name=MP):
+    """{(shape, axis)} of the parameters ``placements`` split over ``axis_name``, also as one
+    layer's slice of a tensor stacked along a leading axis (what a scan body multiplies)."""
+    out = set()
+    for pl in placements:
+        for axis, entry in enumerate(tuple(pl.spec)):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if axis_name in names:
+                out.add((tuple(pl.shape), axis))
+                if axis > 0:
+                    out.add((tuple(pl.shape[1:]), axis - 1))
+    return out
