@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .data import BatchMaker, padded_batches, prefetch
 from .errors import DataError
 from .host import to_host
+from .sharding.context import laid_out_for
 
 
 class Predictor:
@@ -41,7 +42,7 @@ class Predictor:
             plan = owner_plan or self.deployer.get_sharding_plan(params, self.params_sharding_rules)
             shardings = plan.param_shardings()
             mesh = self.deployer.mesh
-            pred_fn = self.pred_fn
+            pred_fn = laid_out_for(self.pred_fn, self.deployer.n_model_shards)
 
             def step(p, batch, rng, index):
                 return pred_fn(jax.random.fold_in(rng, index), p, batch)

@@ -17,6 +17,7 @@ from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
 from .predictor import Predictor
 from .preemption import PreemptionGuard
+from .sharding.context import laid_out_for
 from .sharding.dataflow import traced_placements
 from .sharding.fusion import split_weight_axes
 from .steps import cast_floating, make_eval_step, make_train_step
@@ -87,8 +88,10 @@ class Trainer:
             step=self._replicated, params=self.plan.param_shardings(),
             opt_state=self.plan.opt_state_shardings(s.opt_state),
             nonfinite_step=self._replicated, apply_fn=s.apply_fn, tx=s.tx)
+        # the loss is traced knowing the number of model shards (sharding/context.py)
+        loss_fn = laid_out_for(self.loss_fn, self.deployer.n_model_shards)
         step_fn = self.train_step_fn or make_train_step(
-            self.loss_fn, self.compute_dtype, self.accumulate_grad_batches,
+            loss_fn, self.compute_dtype, self.accumulate_grad_batches,
             grad_shardings=self._state_shardings.params,
             fuse_for_model_shards=self.deployer.n_model_shards if self.fuse_matmuls else None,
             split_weights=split_weight_axes(self.plan.placements))
@@ -99,7 +102,7 @@ class Trainer:
             out_shardings=(self._state_shardings, self._replicated),
             donate_argnums=(0,))
         self._eval_step = jax.jit(
-            make_eval_step(self.loss_fn, self.compute_dtype),
+            make_eval_step(loss_fn, self.compute_dtype),
             in_shardings=(self._state_shardings, NamedSharding(mesh, P("dp")),
                           NamedSharding(mesh, P("dp")), self._replicated),
             out_shardings=self._replicated)

@@ -11,7 +11,7 @@ from redcoast.sharding.dataflow import DataflowError, dataflow_placements
 from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes
 from redcoast.sharding.paths import path_to_tuple
 
-from architectures import ARCHITECTURES, B, H, T, gqa, moe, plain_jax, scan_stacked, transposed
+from architectures import ARCHITECTURES, B, H, gqa, moe, plain_jax, scan_stacked, transposed
 
 LR = 0.1
 
@@ -213,3 +213,19 @@ def test_per_layer_traffic_is_megatron_with_fused_siblings():
     # placement alone: XLA all-reduces the Q, K, V input gradients separately (6 activations, not 4)
     assert _per_layer_ratio(lambda f: f, 4) == pytest.approx(1.5)
     assert _per_layer_ratio(fuse_sibling_matmuls, 4) == pytest.approx(1.0)
+
+
+def test_the_traced_function_knows_the_number_of_model_shards():
+    from redcoast.sharding.context import laid_out_for, model_shards
+
+    seen = []
+
+    def loss(p, x):
+        seen.append(model_shards())
+        return jnp.sum(x @ p["w"])
+
+    dataflow_placements(loss, {"w": np.ones((4, 8), np.float32)}, np.ones((2, 4), np.float32), n_model_shards=4)
+    assert seen == [4] and model_shards() == 1
+    with pytest.raises(ZeroDivisionError):
+        laid_out_for(lambda: 1 / 0, 8)()
+    assert model_shards() == 1

@@ -266,6 +266,29 @@ def test_beam_search_inside_a_predictor(tiny, deployer):
     np.testing.assert_array_equal(np.stack(outputs), expected)
 
 
+def test_more_model_shards_than_kv_heads_inside_a_predictor(tiny, free_greedy):
+    # 2 KV heads on 4 model shards: traced for 4 shards, attention repeats K/V per query head,
+    # so the plan splits the query heads (not the whole attention replicated); the cached
+    # decoding inside the Predictor's pred_fn takes the same path
+    _, model, params = tiny
+    four = redcoast.Deployer(n_model_shards=4, verbose=False)
+    plan = four.get_sharding_plan(params, traced_fn=model.apply,
+                                  example_args=llama.example_inputs(model.config))
+    split = {pl.path[-2]: "mp" in str(pl.spec) for pl in plan.placements if pl.path[-1] == "kernel"}
+    assert split["q_proj"] and split["o_proj"] and not split["k_proj"]
+
+    def collate_fn(prompts):
+        ids, mask = left_pad(prompts, PAD, length=IDS.shape[1])
+        return {"ids": ids, "mask": mask}
+
+    def pred_fn(rng, params, batch):
+        return generate(model, params, batch["ids"], batch["mask"], max_new_tokens=N_NEW)
+
+    sharded = jax.device_put(params, plan.param_shardings())
+    outputs = redcoast.Predictor(four, collate_fn, pred_fn).predict(PROMPTS, 2, sharded)
+    np.testing.assert_array_equal(np.stack(outputs), free_greedy)
+
+
 def test_errors(tiny):
     _, model, params = tiny
     with pytest.raises(ConfigError, match="rng"):

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError
+from ..sharding.context import model_shards
 
 
 class RMSNorm(nnx.Module):
@@ -197,7 +198,14 @@ def attend(q, k, v, mask, scale=None):
 
     ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention: each group of
     ``H // KVH`` query heads shares one key/value head); ``mask`` as from :func:`attention_mask`.
+    Traced for more model shards than KV heads (``redcoast.sharding.context``), K/V are repeated
+    per query head so that attention splits over the query heads.
     """
     k = k.astype(q.dtype)
     v = v.astype(q.dtype)
+    heads, kv_heads, n = q.shape[2], k.shape[2], model_shards()
+    if kv_heads < heads and kv_heads % n and heads % n == 0:
+        # More model shards than KV heads: grouped K/V cannot be split, so that the query heads
+        # can, K/V are repeated to one per query head (the K/V projections stay replicated).
+        k, v = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v))
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)

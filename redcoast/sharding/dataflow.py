@@ -31,6 +31,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from .auto import model_width
+from .context import laid_out_for
 from .paths import leaves_in_written_order, leaves_with_paths
 from .rules import Placement
 
@@ -833,7 +834,7 @@ def dataflow_placements(fn, params, *example_args, n_model_shards):
                           "replicated (one model shard)") for path, x in leaves]
     flat = leaves_with_paths(params)
     try:
-        closed = jax.make_jaxpr(fn)(_abstract(params), *_abstract(example_args))
+        closed = jax.make_jaxpr(laid_out_for(fn, n))(_abstract(params), *_abstract(example_args))
     except Exception as e:  # noqa: BLE001 - any tracing failure means: use the structural rules
         raise DataflowError(f"could not trace the model: {type(e).__name__}: {e}") from e
     shapes = [tuple(np.shape(x)) for _, x in flat]
