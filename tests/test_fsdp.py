@@ -135,6 +135,47 @@ def test_fsdp_placements_add_dp_to_one_free_dimension():
     assert out["e"].spec == P(None, "mp") and "no unsplit dimension" in out["e"].reason
     assert out["f"].spec == P("mp") and "replicated over dp" in out["f"].reason
     assert fsdp_placements(pls, 1, min_bytes=64 * 1024) == pls
+    # with 2 model shards, a tensor the plan replicates is split over both axes where it can be
+    both = {pl.path[0]: pl for pl in fsdp_placements(pls, 4, min_bytes=64 * 1024, n_model_shards=2)}
+    assert both["c"].spec == P(None, ("dp", "mp")) and "dp and mp" in both["c"].reason
+    assert both["a"].spec == P("dp", "mp") and both["d"] == pls[3]
+    odd = Placement(("g",), (12, 4 * 1024), f32, P(), "rep")  # 12 % 8: only dim 1 divides
+    assert fsdp_placements([odd], 4, min_bytes=0, n_model_shards=2)[0].spec == P(None, ("dp", "mp"))
+    odd = Placement(("h",), (12, 4 * 1021), f32, P(), "rep")  # no dim divides 8: dp alone, larger dim
+    assert fsdp_placements([odd], 4, min_bytes=0, n_model_shards=2)[0].spec == P(None, "dp")
+
+
+def test_tensors_the_plan_replicates_are_split_over_all_devices_and_train_the_same():
+    # a fused (512, 1536) QKV written as one matrix: its Q, K, V are sliced out, so the plan
+    # replicates it over the model shards; FSDP then splits it over dp and mp together
+    rs = np.random.RandomState(0)
+    params = {"qkv": (rs.randn(512, 1536) * 0.05).astype(np.float32),
+              "out": (rs.randn(512, 512) * 0.05).astype(np.float32)}
+    examples = [rs.randn(512).astype(np.float32) for _ in range(32)]
+
+    def qkv_loss(rng, state, p, batch, is_training):
+        x = batch["x"]
+        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+        return jnp.mean(((jax.nn.sigmoid(q * k) * v) @ p["out"] - x) ** 2)
+
+    collate_x = lambda rows: {"x": np.stack(rows)}  # noqa: E731
+    trainer = Trainer(Deployer(n_model_shards=2, verbose=False), collate_x, None, qkv_loss, params,
+                      OPTIMIZER)
+    trainer.fit(examples, 2, 1, shuffle=False)  # 4 steps of 8
+    assert trainer.params["qkv"].sharding.spec == P(None, ("dp", "mp"))
+    assert trainer.params["qkv"].addressable_shards[0].data.shape == (512, 1536 // 8)
+
+    step = jax.jit(lambda p, o, x: _sgd_step(qkv_loss, p, o, x))
+    want, opt_state = params, OPTIMIZER.init(params)
+    for i in range(4):
+        want, opt_state = step(want, opt_state, collate_x(examples[8 * i:8 * i + 8]))
+    assert_trees_close(trainer.params, want)
+
+
+def _sgd_step(loss_fn, params, opt_state, batch):
+    grads = jax.grad(lambda p: loss_fn(None, None, p, batch, True))(params)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 @pytest.mark.parametrize("name,tx", [("adafactor", optax.adafactor(1e-3, min_dim_size_to_factor=8)),

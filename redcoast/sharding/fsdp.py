@@ -2,7 +2,10 @@
 
 Applied after the tensor-parallel plan (automatic and user rules) is final: every large tensor
 gets 'dp' on one more dimension, the largest one not already split that the data-parallel size
-divides, so a device keeps about 1/device_count of it instead of 1/n_model_shards. XLA
+divides, so a device keeps about 1/device_count of it instead of 1/n_model_shards. A tensor the
+tensor-parallel plan replicates (K/V with too few heads, a fused QKV it could not split) is split
+over both axes, ('dp', 'mp'), when a dimension divides by the device count: otherwise every model
+shard would keep a 1/dp copy of it. XLA
 all-gathers a parameter where the step uses it and reduce-scatters its gradient; the batch stays
 split over 'dp' as before. Small tensors (biases, norms) stay replicated over 'dp': splitting
 them saves little memory and costs one collective each.
@@ -15,24 +18,26 @@ import numpy as np
 from .rules import _as_tuple
 
 DP = "dp"
+MP = "mp"
 # Tensors smaller than this stay replicated over 'dp'. Each split tensor costs an all-gather
 # and a reduce-scatter per step; below 1 MiB the memory saved does not pay for them (measured on
 # 8 simulated CPU devices: a 0.7 M-parameter model with a 64 KiB threshold ran 2x slower).
 MIN_BYTES = 1024 * 1024
 
 
-def fsdp_placements(placements, n_data_shards, min_bytes=MIN_BYTES):
-    """The placements with 'dp' added to one dimension of every tensor of ``min_bytes`` or more.
+def fsdp_placements(placements, n_data_shards, min_bytes=MIN_BYTES, n_model_shards=1):
+    """The placements with 'dp' added to one dimension of every tensor of ``min_bytes`` or more
+    (('dp', 'mp') for tensors replicated over ``n_model_shards`` > 1 when a dimension divides).
 
     A spec that already names 'dp' (a user rule) is kept as written; with one data shard
     nothing changes.
     """
     if n_data_shards <= 1:
         return list(placements)
-    return [_add_dp(pl, n_data_shards, min_bytes) for pl in placements]
+    return [_add_dp(pl, n_data_shards, n_model_shards, min_bytes) for pl in placements]
 
 
-def _add_dp(pl, n, min_bytes):
+def _add_dp(pl, n, n_model, min_bytes):
     spec = list(pl.spec) + [None] * (len(pl.shape) - len(pl.spec))
     if any(DP in _as_tuple(axes) for axes in spec):
         return pl
@@ -40,11 +45,19 @@ def _add_dp(pl, n, min_bytes):
     if nbytes < min_bytes:
         why = f"; replicated over dp ({nbytes:,} bytes < {min_bytes:,})"
         return dataclasses.replace(pl, reason=pl.reason + why)
+    largest = lambda dims: max(dims, key=lambda d: (pl.shape[d], -d))  # noqa: E731 - first on a tie
+    if n_model > 1 and all(axes is None for axes in spec):
+        both = [d for d in range(len(spec)) if pl.shape[d] % (n * n_model) == 0]
+        if both:
+            dim = largest(both)
+            spec[dim] = (DP, MP)
+            why = f"; dim {dim} split over all {n * n_model} devices (FSDP over dp and mp)"
+            return dataclasses.replace(pl, spec=tuple(spec), reason=pl.reason + why)
     free = [d for d, axes in enumerate(spec) if axes is None and pl.shape[d] % n == 0]
     if not free:
         why = f"; replicated over dp (no unsplit dimension divisible by {n} data shards)"
         return dataclasses.replace(pl, reason=pl.reason + why)
-    dim = max(free, key=lambda d: (pl.shape[d], -d))  # the largest; the first on a tie
+    dim = largest(free)
     spec[dim] = DP
     why = f"; dim {dim} split over {n} data shards (FSDP)"
     return dataclasses.replace(pl, spec=tuple(spec), reason=pl.reason + why)

@@ -382,13 +382,15 @@ def fuse_sibling_matmuls(fn, n_model_shards=1, split_weights=None):
 
 
 def split_weight_axes(placements, axis_name=MP):
-    """{(shape, axis)} of the parameters ``placements`` split over ``axis_name``, also as one
-    layer's slice of a tensor stacked along a leading axis (what a scan body multiplies)."""
+    """{(shape, axis)} of the parameters ``placements`` split over ``axis_name`` by the
+    tensor-parallel plan, also as one layer's slice of a tensor stacked along a leading axis
+    (what a scan body multiplies). A split over ('dp', 'mp') is FSDP's storage of a tensor the
+    plan replicates: not counted."""
     out = set()
     for pl in placements:
         for axis, entry in enumerate(tuple(pl.spec)):
             names = entry if isinstance(entry, tuple) else (entry,)
-            if axis_name in names:
+            if axis_name in names and len(names) == 1:
                 out.add((tuple(pl.shape), axis))
                 if axis > 0:
                     out.add((tuple(pl.shape[1:]), axis - 1))

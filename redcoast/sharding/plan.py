@@ -26,7 +26,8 @@ class ShardingPlan:
             check_rules_format(user_rules)
             placements = [self._apply_user_rule(pl, user_rules) for pl in placements]
         if fsdp:
-            placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1))
+            placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1),
+                                         n_model_shards=self.axis_sizes.get("mp", 1))
         self.placements = placements
         by_path = {pl.path: pl.spec for pl in placements}
         self.param_specs = jax.tree_util.tree_map_with_path(
