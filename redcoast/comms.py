@@ -60,12 +60,13 @@ def _parse_groups(line):
     m = re.search(r"source_target_pairs=\{(.*?)\}\s*(?:,|$)", line)
     if m:
         return [[int(x) for x in pair.split(",")] for pair in re.findall(r"\{([\d,]+)\}", m.group(1) + "}")]
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:  # mesh['a'=2,'b'=4] {'a'}: groups along the named axes of a row-major device mesh
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}", line)
+    if m:  # mesh['a'=2,'b'=4] {'a'}: groups along the named axes of a device mesh, row-major
+        # unless device_ids gives the device at each position (an iota [dims]T(perm) or a list)
         axes = re.findall(r"'?([\w]+)'?\s*=\s*(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        along = [names.index(a) for a in re.findall(r"'?([\w]+)'?", m.group(2))]
-        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        along = [names.index(a) for a in re.findall(r"'?([\w]+)'?", m.group(3))]
+        ids = _device_ids(m.group(2), int(np.prod(sizes))).reshape(sizes)
         rest = [i for i in range(len(sizes)) if i not in along]
         g = int(np.prod([sizes[i] for i in along])) if along else 1
         return ids.transpose(rest + along).reshape(-1, g).tolist()
@@ -83,6 +84,19 @@ def _parse_groups(line):
             return []  # {}: all devices in one group
         return [[int(x) for x in grp.split(",") if x.strip()] for grp in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
     return None
+
+
+def _device_ids(text, total):
+    """The device ids of ``device_ids=(...)`` in mesh order: ``[2,2,2]T(1,0,2)`` or ``0,2,1,3``."""
+    if not text:
+        return np.arange(total)
+    m = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if m:
+        ids = np.arange(total).reshape([int(x) for x in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(x) for x in text.split(",")])
 
 
 def _classify(groups, mesh_shape, kind):

@@ -113,3 +113,17 @@ def test_async_tuple_iota_and_mesh_forms_of_the_text():
         ("reduce-scatter", "mp", 4 * 8 * 4, 1),             # the full input: result x group size
     }
     assert rep.count() == 7 and rep.count(axis="mp") == 5
+
+
+def test_mesh_groups_with_permuted_device_ids():
+    # newer XLA prints sub-axis groups over a permuted device order (seen with grouped-query K/V)
+    from redcoast.comms import _classify, _parse_groups
+    line = ("%all-gather.5 = f32[32,2,4]{2,0,1} all-gather(%f), channel_id=73, replica_groups="
+            "mesh['axis_0'=1,'axis_1'=2,'axis_2'=1,'axis_3'=4], device_ids=([2,2,2]T(1,0,2)) "
+            "{'axis_1'}, dimensions={1}, use_global_device_ids=true")
+    groups = _parse_groups(line)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _classify(groups, {"dp": 2, "mp": 4}, "all-gather") == "mp"
+    listed = line.replace("([2,2,2]T(1,0,2))", "(0,1,4,5,2,3,6,7)")  # the same order, listed
+    assert _parse_groups(listed) == groups
+

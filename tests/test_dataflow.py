@@ -11,7 +11,7 @@ from redcoast.sharding.dataflow import DataflowError, dataflow_placements
 from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes
 from redcoast.sharding.paths import path_to_tuple
 
-from architectures import ARCHITECTURES, B, H, gqa, moe, plain_jax, scan_stacked, transposed
+from architectures import ARCHITECTURES, B, H, HD, T, gqa, moe, mqa, plain_jax, scan_stacked, transposed
 
 LR = 0.1
 
@@ -192,6 +192,46 @@ def test_moe_expert_outputs_are_summed_with_their_gates_before_the_all_reduce():
     got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_arch", [gqa, mqa])
+def test_replicated_kv_is_projected_per_query_head(make_arch):
+    # 2 KV heads (gqa) or 1 (mqa) on 8 shards: the plan replicates K/V; the rewrite repeats their
+    # weights per query head instead of repeating K/V after RoPE, so they join Q's fused matmul
+    arch = make_arch()
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=8)
+    fused = fuse_sibling_matmuls(arch.loss, 8, split_weight_axes(placements))
+    kv = arch.params["layers"][0]["k"].shape[1]
+    kv_outputs = lambda fn: [s for s in _dot_output_shapes(fn, arch) if s == (B, T, kv, HD)]  # noqa: E731
+    assert len(kv_outputs(arch.loss)) == 2 * len(arch.params["layers"])
+    assert kv_outputs(fused) == []
+    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
+    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_kv_read_outside_the_repeat_is_left_as_written():
+    # K also read by something else (here: added to the loss) cannot be replaced by its repeat
+    arch = gqa(n_layers=1)
+    lyr = arch.params["layers"][0]
+
+    def loss(p, batch):
+        x = p["emb"][batch["inputs"]]
+        k = jnp.einsum("btd,dhk->bthk", x, p["layers"][0]["k"])
+        rep = jnp.repeat(k, 4, axis=2)
+        q = jnp.einsum("btd,dhk->bthk", x, p["layers"][0]["q"])
+        return jnp.sum(q * rep) + jnp.sum(k)
+
+    params = {"emb": arch.params["emb"], "layers": [{"q": lyr["q"], "k": lyr["k"]}]}
+    split = {((H, 8, HD), 1)}  # q split, k not
+    fused = fuse_sibling_matmuls(loss, 8, split)
+    assert (B, T, 2, HD) in _dot_output_shapes(fused, types_arch(params, arch.batch))
+    np.testing.assert_allclose(fused(params, arch.batch), loss(params, arch.batch), rtol=1e-5)
+
+
+def types_arch(params, batch):
+    return type("A", (), {"params": params, "batch": batch})
 
 def _per_layer_ratio(loss_of, n):
     mesh = mesh_for(n)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from . import kv_repeat
 from .dataflow import MP
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
@@ -189,6 +190,8 @@ def _eval_fused(jaxpr, consts, args):
     """Evaluate ``jaxpr`` with jit calls inlined and sibling matmuls fused (demand-driven, so
     that every stacked operand is computed before the one matmul that uses them all)."""
     jaxpr = _inline(jaxpr, consts)
+    if _BLOCKS.get() > 1 and _SPLIT.get() is not None:
+        jaxpr = _hoist_kv_repeats(jaxpr)
     env = dict(jaxpr.const_env)
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
@@ -270,6 +273,50 @@ def _eval_fused(jaxpr, consts, args):
     for i in range(len(jaxpr.eqns)):
         run(i)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _hoist_kv_repeats(jaxpr):
+    """``jaxpr`` (flat, bound) with grouped-query K/V repeats moved in front of their
+    replicated projections (kv_repeat.py), retraced; unchanged when there is none."""
+    found = {v: plan for v, plan in kv_repeat.find_repeats(jaxpr, _split_along) if _hoisting_pays(plan)}
+    if not found:
+        return jaxpr
+    skip = {id(e) for plan in found.values() for e in plan["absorbed"]}
+
+    def run(*args):
+        env = dict(jaxpr.const_env)
+        env.update(zip(jaxpr.invars, args))
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            if eqn.outvars[0] in found:
+                env[eqn.outvars[0]] = kv_repeat.replay(found[eqn.outvars[0]], read, _bind_with)
+            elif id(eqn) not in skip:
+                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+        return [read(v) for v in jaxpr.outvars]
+
+    closed = jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
+    return _Bound(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)))
+
+
+def _hoisting_pays(plan):
+    """Whether summing the K/V weight gradient over the shards moves fewer bytes than summing
+    K/V's activation gradient: tokens per device against the weight's input features (measured
+    on benchmarks/comms.py's gqa and mqa: the better choice in each of the six cases)."""
+    dot, side = plan["dot"], plan["weight_side"]
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    x, w = dot.invars[1 - side], dot.invars[side]
+    x_contract, w_contract = (rc, lc) if side == 0 else (lc, rc)
+    tokens = np.prod(x.aval.shape) / np.prod([x.aval.shape[d] for d in x_contract])
+    rows = np.prod([w.aval.shape[d] for d in w_contract])
+    data_shards = max(1, jax.device_count() // _BLOCKS.get())  # the traced batch is global
+    return tokens / data_shards >= rows
+
+
+def _bind_with(eqn, vals, params):
+    """``eqn``'s primitive (no sub-programs) bound to ``vals`` with ``params``: a list of outputs."""
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*vals, **params)
+    return outs if eqn.primitive.multiple_results else [outs]
 
 
 def _bind_fused_dot(eqn, side, shared, other, renumber):
