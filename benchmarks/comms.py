@@ -38,7 +38,7 @@ def compiled_step(arch, n, mesh, fuse=False):
     shardings = jax.tree_util.tree_map_with_path(
         lambda kp, _: NamedSharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
 
-    loss = fuse_sibling_matmuls(arch.loss, n, split_weight_axes(placements)) if fuse else arch.loss
+    loss = fuse_sibling_matmuls(arch.loss, n, split_weight_axes(placements), mesh) if fuse else arch.loss
 
     def step(params, batch):
         grads = jax.grad(loss)(params, batch)

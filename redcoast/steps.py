@@ -56,7 +56,7 @@ def split_loss_output(output):
 
 
 def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
-                    fuse_for_model_shards=None, split_weights=None):
+                    fuse_for_model_shards=None, split_weights=None, mesh=None):
     """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
 
     With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
@@ -65,7 +65,8 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
     shards, when > 1) runs the loss with sibling matmuls (Q/K/V, gate/up: one input) fused into
     one, so that under tensor parallelism the backward pass all-reduces their input gradient
     once, as Megatron-LM does; ``split_weights`` (from ``split_weight_axes(plan.placements)``)
-    limits that to the weights the plan splits.
+    limits that to the weights the plan splits; ``mesh`` lets the rewrite pin the gates of split
+    MoE experts replicated.
     """
     def training_loss(p, batch, rng, state):
         return loss_fn(rng, state, cast_floating(p, compute_dtype), batch, True)
@@ -75,7 +76,7 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
             if fuse_for_model_shards and fuse_for_model_shards > 1:
                 try:
                     fused = fuse_sibling_matmuls(lambda p_, b_, r_: training_loss(p_, b_, r_, state),
-                                                 fuse_for_model_shards, split_weights)
+                                                 fuse_for_model_shards, split_weights, mesh)
                     return split_loss_output(fused(p, batch, rng))
                 except LossError:
                     raise

@@ -94,7 +94,7 @@ class Trainer:
             loss_fn, self.compute_dtype, self.accumulate_grad_batches,
             grad_shardings=self._state_shardings.params,
             fuse_for_model_shards=self.deployer.n_model_shards if self.fuse_matmuls else None,
-            split_weights=split_weight_axes(self.plan.placements))
+            split_weights=split_weight_axes(self.plan.placements), mesh=mesh)
         batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(
             step_fn,

@@ -182,12 +182,27 @@ def test_moe_expert_outputs_are_summed_with_their_gates_before_the_all_reduce():
     # contracts experts and ffn in one matmul: the partial sum is the [b, t, d] output
     arch = moe()
     placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=8)
-    fused = fuse_sibling_matmuls(arch.loss, 8, split_weight_axes(placements))
+    fused = fuse_sibling_matmuls(arch.loss, 8, split_weight_axes(placements), mesh_for(8))
     expert_outputs = lambda fn: [s for s in _dot_output_shapes(fn, arch) if 4 in s and H in s and len(s) == 4]  # noqa: E731
     assert len(expert_outputs(arch.loss)) == len(arch.params["layers"])
     assert expert_outputs(fused) == []
     # unknown split weights (no plan): nothing is reassociated
     assert len(expert_outputs(fuse_sibling_matmuls(arch.loss, 8))) == len(arch.params["layers"])
+    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
+    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+
+def test_moe_gates_are_pinned_replicated_without_changing_the_result():
+    # 4 experts on 2 shards (experts split): the gates of the combine are pinned whole along the
+    # experts, so XLA does not split the router's softmax and top-k over the shards
+    arch = moe()
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=2)
+    fused = fuse_sibling_matmuls(arch.loss, 2, split_weight_axes(placements), mesh_for(2))
+    jaxpr = str(jax.make_jaxpr(fused)(arch.params, arch.batch))
+    assert jaxpr.count("sharding_constraint") == len(arch.params["layers"])
     want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
     got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
