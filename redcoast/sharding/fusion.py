@@ -1,14 +1,18 @@
 """Running a tensor-parallel plan at Megatron-LM's traffic: rewrites of the traced function.
 
 Under a plan from :mod:`.dataflow`, XLA inserts one all-reduce per matmul whose output is a partial
-sum over the model shards. Two rewrites of the user's function (same math, up to floating-point
+sum over the model shards. These rewrites of the user's function (same math, up to floating-point
 summation order) bring that down to Megatron's count:
 
 * sibling matmuls that share an input (Q, K, V; gate and up) run as one matmul, so the backward
   pass sums their input gradients locally and all-reduces once;
 * a matmul whose partial-sum output only feeds another contraction (an MoE's gate-weighted sum
   of its experts' outputs) is reassociated, so that the sum over shards happens once, on the
-  smaller result.
+  smaller result;
+* the replicated operand of a contraction over a split matmul's output axis (the gates of split
+  MoE experts) is pinned whole along that axis, so that XLA does not split what computed it;
+* grouped-query K/V that the plan replicates are projected per query head (kv_repeat.py), so
+  that they join Q's fused matmul.
 """
 
 import contextvars
@@ -478,7 +482,9 @@ def fuse_sibling_matmuls(fn, n_model_shards=1, split_weights=None, mesh=None):
     are fused too, concatenated block by block so that a split of each weight's output axis over
     that many shards stays a local slice of the fused one. ``split_weights``: the (shape, axis)
     pairs of the weights the plan splits (see :func:`split_weight_axes`); only matmuls with such a
-    weight, split along an output axis, are fused. None fuses every group.
+    weight, split along an output axis, are fused. None fuses every group and applies none of the
+    other rewrites, which need to know the plan. ``mesh``: the mesh the function runs on (needed
+    to pin MoE gates; without it they are left alone).
     """
     def fused(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
