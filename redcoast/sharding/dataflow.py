@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from .auto import model_width
 from .context import laid_out_for
+from .jaxpr_tools import output_axes
 from .paths import leaves_in_written_order, leaves_with_paths
 from .rules import Placement
 
@@ -591,11 +592,10 @@ class _Analysis:
         free = [[i for i in range(len(shapes[k])) if i not in contract[k] and i not in batch[k]]
                 for k in (0, 1)]
 
+        positions = output_axes(eqn)
+
         def out_axis(k, axis):
-            if axis in batch[k]:
-                return batch[k].index(axis)
-            base = len(lb) + (0 if k == 0 else len(free[0]))
-            return base + free[k].index(axis)
+            return positions[(k, axis)]
 
         def role(k, axis):
             if axis in contract[k]:

@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 
 from . import kv_repeat
 from .dataflow import MP
+from .jaxpr_tools import output_axes, read_once, readers
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 
@@ -94,15 +95,6 @@ def _groups(jaxpr, blocks=1):
     return out
 
 
-def _uses(jaxpr):
-    """How many times each variable is read (by equations or as an output)."""
-    count = {}
-    for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
-        if isinstance(v, jcore.Var):
-            count[v] = count.get(v, 0) + 1
-    return count
-
-
 def _dot_labels(eqn, lhs, rhs):
     """Einsum labels of a dot_general: operand labels with contracted and batch pairs tied, and
     the output's (batch axes, then lhs free, then rhs free)."""
@@ -129,7 +121,7 @@ def _partial_chains(jaxpr, groups):
     """
     if _SPLIT.get() is None:
         return {}
-    uses, producer = _uses(jaxpr), {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    uses, producer = readers(jaxpr), {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     out = {}
     for k, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name != "dot_general":
@@ -145,12 +137,12 @@ def _partial_chains(jaxpr, groups):
 def _row_parallel_source(jaxpr, v, uses, producer, groups):
     """(matmul index, transpose index or None, weight side) when ``v`` is read once and is the
     output (possibly transposed once) of a matmul contracting a split weight."""
-    if not isinstance(v, jcore.Var) or uses.get(v) != 1 or v not in producer:
+    if not isinstance(v, jcore.Var) or not read_once(v, uses) or v not in producer:
         return None
     t, i = None, producer[v]
     if jaxpr.eqns[i].primitive.name == "transpose":
         src = jaxpr.eqns[i].invars[0]
-        if not isinstance(src, jcore.Var) or uses.get(src) != 1 or src not in producer:
+        if not isinstance(src, jcore.Var) or not read_once(src, uses) or src not in producer:
             return None
         t, i = i, producer[src]
     eqn = jaxpr.eqns[i]
@@ -226,22 +218,9 @@ def _split_output_axes(jaxpr, v, producer):
         eqn = jaxpr.eqns[producer[eqn.invars[0]]]
     if eqn.primitive.name != "dot_general":
         return set()
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = eqn.invars
-    lfree = [d for d in range(lhs.aval.ndim) if d not in lc and d not in lb]
-    rfree = [d for d in range(rhs.aval.ndim) if d not in rc and d not in rb]
-    position = {}  # (side, operand axis) -> output axis
-    for i, (l, r) in enumerate(zip(lb, rb)):
-        position[(0, l)] = position[(1, r)] = i
-    for i, d in enumerate(lfree):
-        position[(0, d)] = len(lb) + i
-    for i, d in enumerate(rfree):
-        position[(1, d)] = len(lb) + len(lfree) + i
-    axes = set()
-    for (side, d), o in position.items():
-        w = eqn.invars[side]
-        if isinstance(w, jcore.Var) and _SPLIT.get() and (tuple(w.aval.shape), d) in _SPLIT.get():
-            axes.add(o)
+    operands = eqn.invars
+    axes = {o for (side, d), o in output_axes(eqn).items()
+            if isinstance(operands[side], jcore.Var) and _split_along(tuple(operands[side].aval.shape), [d])}
     return {perm.index(o) for o in axes} if perm is not None else axes
 
 
@@ -328,7 +307,8 @@ def _eval_fused(jaxpr, consts, args):
     def run_chain(k, side2, i, t, wside):
         gate_spec, dot_spec, a, other, w = _reassociation(jaxpr, k, side2, i, t, wside)
         first, second = jaxpr.eqns[i], jaxpr.eqns[k]
-        x = jax.numpy.einsum(gate_spec, read(a), _replicated(read(other), gates[k][1]) if k in gates else read(other))
+        g = read(other)
+        x = jax.numpy.einsum(gate_spec, read(a), _replicated(g, gates[k][1]) if k in gates else g)
         y = jax.numpy.einsum(dot_spec, x, read(w), precision=first.params.get("precision"),
                              preferred_element_type=second.outvars[0].aval.dtype)
         env[second.outvars[0]] = y.astype(second.outvars[0].aval.dtype)
@@ -354,7 +334,7 @@ def _hoist_kv_repeats(jaxpr):
             if eqn.outvars[0] in found:
                 env[eqn.outvars[0]] = kv_repeat.replay(found[eqn.outvars[0]], read, _bind_with)
             elif id(eqn) not in skip:
-                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars], fuse_bodies=False)))
         return [read(v) for v in jaxpr.outvars]
 
     closed = jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
@@ -411,18 +391,21 @@ def _free_output_start(eqn, side, shared_ndim):
     return len(lb) + (shared_ndim - len(lc) - len(lb)) if side == 0 else len(lb)
 
 
-def _bind(eqn, vals):
+def _bind(eqn, vals, fuse_bodies=True):
+    """Run ``eqn`` on ``vals``; with ``fuse_bodies``, the bodies of remat and scan equations are
+    run through the rewrites too (only the final pass does: inlining and the K/V retrace keep
+    them as they are, so each body is rewritten once)."""
     name = eqn.primitive.name
     params = dict(eqn.params)
-    if name in ("checkpoint", "remat", "remat2") and isinstance(params.get("jaxpr"), jcore.Jaxpr) \
-            and not params["jaxpr"].constvars:
+    if fuse_bodies and name in ("checkpoint", "remat", "remat2") \
+            and isinstance(params.get("jaxpr"), jcore.Jaxpr) and not params["jaxpr"].constvars:
         # a rematerialised body (jax.checkpoint, nnx.remat): fused inside, still rematerialised
         body = params["jaxpr"]
         run = jax.checkpoint(lambda *a: _eval_fused(body, (), a), prevent_cse=params["prevent_cse"],
                              policy=params["policy"])
         with eqn.ctx.manager:
             return list(run(*vals))
-    if name == "scan":
+    if fuse_bodies and name == "scan":
         params["jaxpr"] = _fused_closed(params["jaxpr"])
     bind_params = eqn.primitive.get_bind_params(params)  # as jax.core.eval_jaxpr does
     if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
@@ -465,7 +448,7 @@ def _eval_inline(jaxpr, consts, args):
             sub = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
             outs = _eval_inline(sub.jaxpr, sub.consts, vals) if hasattr(sub, "jaxpr") else _eval_inline(sub, (), vals)
         else:
-            outs = _bind(eqn, vals)
+            outs = _bind(eqn, vals, fuse_bodies=False)
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]

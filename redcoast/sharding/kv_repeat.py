@@ -13,12 +13,15 @@ gradient of the small K/V weights instead. Applied only where every step of ``f`
 heads alike; anything else is left as written.
 """
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from .jaxpr_tools import output_axes, read_once, readers
+
 _ELEMENTWISE = frozenset("""
     add sub mul div neg max min exp exp2 log log1p expm1 tanh logistic sin cos sqrt rsqrt
-    integer_pow pow square abs sign erf convert_element_type copy copy_p select_n clamp
+    integer_pow pow square abs sign erf convert_element_type copy select_n clamp
     and or not eq ne lt gt le ge
 """.split())
 
@@ -33,21 +36,16 @@ def find_repeats(jaxpr, is_split):
     ``jaxpr`` is flat (jit calls inlined); ``is_split(shape, axes)`` tells whether the plan splits
     a weight of that shape along one of those axes (a split K/V needs no rewrite).
     """
-    readers = {}
-    for e in jaxpr.eqns:
-        for v in e.invars:
-            if isinstance(v, jcore.Var):
-                readers.setdefault(v, []).append(e)
-    outputs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    reads = readers(jaxpr)
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     found = []
     for eqn in jaxpr.eqns:
-        repeat = _repeat_of(eqn, producer, readers, outputs)
+        repeat = _repeat_of(eqn, producer, reads)
         if repeat is None:
             continue
         source, axis, groups, absorbed = repeat
         try:
-            plan = _trace_back(jaxpr, source, axis, groups, producer, readers, outputs, is_split)
+            plan = _trace_back(jaxpr, source, axis, groups, producer, reads, is_split)
         except _NotHeadwise:
             continue
         plan["absorbed"] = plan["absorbed"] | absorbed
@@ -55,7 +53,7 @@ def find_repeats(jaxpr, is_split):
     return found
 
 
-def _repeat_of(eqn, producer, readers, outputs):
+def _repeat_of(eqn, producer, reads):
     """(repeated var, its head axis, group size, eqns of the repeat) when ``eqn`` is the reshape
     that ends ``broadcast_in_dim`` (a new axis after the heads) + reshape (merged into them)."""
     if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
@@ -63,7 +61,7 @@ def _repeat_of(eqn, producer, readers, outputs):
     expanded, out_shape = eqn.invars[0], tuple(eqn.outvars[0].aval.shape)
     absorbed, v = {eqn}, expanded
     while isinstance(v, jcore.Var) and v in producer and producer[v].primitive.name == "broadcast_in_dim" \
-            and len(readers.get(v, ())) == 1 and v not in outputs:
+            and read_once(v, reads):
         absorbed.add(producer[v])
         v = producer[v].invars[0]
     if not isinstance(v, jcore.Var) or v is expanded:
@@ -77,7 +75,7 @@ def _repeat_of(eqn, producer, readers, outputs):
     return None
 
 
-def _trace_back(jaxpr, x, axis, groups, producer, readers, outputs, is_split):
+def _trace_back(jaxpr, x, axis, groups, producer, reads, is_split):
     """Walk from the repeated value ``x`` back to the matmul that made it, through head-wise
     eqns. Every value on the way gets a head descriptor (axis, inner): that axis is (heads,
     inner) in row-major order. Values the walk cannot follow are inputs of the chain (read as
@@ -113,10 +111,10 @@ def _trace_back(jaxpr, x, axis, groups, producer, readers, outputs, is_split):
     else:
         raise _NotHeadwise("no matmul")
     region_set = set(region)
-    for v in chain_vars - {x}:  # nothing outside the chain reads its intermediate values
-        if v in outputs or any(r not in region_set for r in readers.get(v, ())):
+    for v in chain_vars - {x}:  # nothing outside the chain (None: the output) reads its values
+        if any(r not in region_set for r in reads.get(v, ())):
             raise _NotHeadwise("a value of the chain is read elsewhere")
-    if x in outputs or len(readers.get(x, ())) != 1:
+    if not read_once(x, reads):
         raise _NotHeadwise("the repeated value is read elsewhere")
     a, inner = desc[dot.outvars[0]]
     w_side, w_axis = _weight_axis(dot, a)
@@ -165,20 +163,14 @@ def _input_descriptors(eqn, a, inner, heads):
 
 def _weight_axis(dot, out_axis):
     """(operand side, axis) of the matmul operand whose free axis is ``out_axis`` of the output."""
-    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
-    lhs, rhs = dot.invars
-    lfree = [d for d in range(lhs.aval.ndim) if d not in lc and d not in lb]
-    rfree = [d for d in range(rhs.aval.ndim) if d not in rc and d not in rb]
-    if out_axis < len(lb):
+    sources = [key for key, o in output_axes(dot).items() if o == out_axis]
+    if len(sources) != 1:
         raise _NotHeadwise("heads on a batch axis of the matmul")
-    k = out_axis - len(lb)
-    return (0, lfree[k]) if k < len(lfree) else (1, rfree[k - len(lfree)])
+    return sources[0]
 
 
 def repeat_heads(x, axis, heads, inner, groups):
     """``x`` whose ``axis`` is (heads, inner) with every head repeated ``groups`` times."""
-    import jax.numpy as jnp
-
     shape = x.shape
     view = x.reshape(shape[:axis] + (heads, inner) + shape[axis + 1:])
     view = jnp.repeat(view, groups, axis=axis)
