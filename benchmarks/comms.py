@@ -29,6 +29,7 @@ from architectures import ARCHITECTURES, B  # noqa: E402
 from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
 from redcoast.sharding.dataflow import dataflow_placements  # noqa: E402
 from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes  # noqa: E402
+from redcoast.sharding.grouped_axes import named_sharding  # noqa: E402
 from redcoast.sharding.paths import path_to_tuple  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def compiled_step(arch, n, mesh, fuse=False):
     placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=n)
     by_path = {pl.path: pl.spec for pl in placements}
     shardings = jax.tree_util.tree_map_with_path(
-        lambda kp, _: NamedSharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
+        lambda kp, _: named_sharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
 
     loss = fuse_sibling_matmuls(arch.loss, n, split_weight_axes(placements), mesh) if fuse else arch.loss
 

@@ -6,7 +6,8 @@ global batch 8) and 2, 4, 8 model shards on 8 simulated CPU devices: compile the
 step at two depths and difference its collectives (redcoast/comms.py). 'mp / Megatron' is the
 per-layer 'mp' wire bytes over Megatron-LM's (2 all-reduces of the [batch, seq, hidden] activation
 forward and 2 backward; a T5 layer counts one encoder and one decoder layer: 2 + 3 each way).
-'params / ideal' is parameter bytes per device over (split bytes / n + replicated bytes), FSDP off.
+'params / ideal' is parameter bytes per device over (split bytes / n + replicated bytes, K/V kept by
+groups of shards / groups), FSDP off.
 
     python benchmarks/comms_models.py [model ...]
 """
@@ -28,6 +29,7 @@ import optax  # noqa: E402
 from redcoast import Deployer, Trainer  # noqa: E402
 from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
 from redcoast.models import Model, bert, gpt2, llama, t5  # noqa: E402
+from redcoast.sharding.grouped_axes import per_device_pieces  # noqa: E402
 
 B, T, H, HEADS, V = 8, 8, 64, 8, 128
 
@@ -102,11 +104,10 @@ def measure(name, n):
         ideal += megatron_ideal(per_device, T, H, n, cross_attention=True)["wire_bytes"]
     plan = trainers[2].plan
     nbytes = lambda pl: int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
-    split = sum(nbytes(pl) for pl in plan.placements if len(pl.spec))
-    replicated = sum(nbytes(pl) for pl in plan.placements if not len(pl.spec))
+    ideal_bytes = sum(nbytes(pl) / per_device_pieces(pl.spec, {"mp": n}) for pl in plan.placements)
     on_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(trainers[2].params))
     mp = layer.get("mp", {"count": 0, "wire_bytes": 0})
-    return mp["count"], mp["wire_bytes"] / ideal, on_device / (split / n + replicated)
+    return mp["count"], mp["wire_bytes"] / ideal, on_device / ideal_bytes
 
 
 def main(names):

@@ -5,7 +5,8 @@ devices: place the parameters by the data-flow plan, create adamw's state with t
 shardings, and measure the live arrays (bytes of each array's shard on device 0).
 
 - 'mp only / ideal': parameter bytes per device over (bytes of the tensors the plan splits /
-  n_model_shards + bytes of those it replicates); 1.00 means every split is even.
+  n_model_shards + bytes of those it replicates; K/V kept by groups of shards / groups); 1.00
+  means every split is even.
 - 'state / (total/8)': parameter + optimizer-state bytes per device over their total / 8, without
   and with FSDP. FSDP runs here with no size threshold (``min_bytes=0``): every tensor of these
   tiny models is below the Trainer's 1 MiB default, which would leave them all replicated over dp.
@@ -32,6 +33,7 @@ from architectures import ARCHITECTURES  # noqa: E402
 from redcoast.sharding import ShardingPlan  # noqa: E402
 from redcoast.sharding.dataflow import dataflow_placements  # noqa: E402
 from redcoast.sharding.fsdp import fsdp_placements  # noqa: E402
+from redcoast.sharding.grouped_axes import per_device_pieces  # noqa: E402
 
 OPTIMIZER = optax.adamw(1e-3)
 
@@ -58,9 +60,11 @@ def measure(name, n):
     nbytes = lambda pl: int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
     split = sum(nbytes(pl) for pl in mp if len(pl.spec))
     replicated = sum(nbytes(pl) for pl in mp if not len(pl.spec))
+    # K/V kept by groups of shards (fewer heads than shards) can be split no further than groups
+    ideal = sum(nbytes(pl) / per_device_pieces(pl.spec, {"mp": n}) for pl in mp)
 
     params, opt = live_state(ShardingPlan(arch.params, mesh, base_placements=mp), arch.params)
-    mp_ratio = per_device(params) / (split / n + replicated)
+    mp_ratio = per_device(params) / ideal
     mp_state = per_device((params, opt)) / (total((params, opt)) / 8)
 
     fsdp = fsdp_placements(mp, 8 // n, min_bytes=0, n_model_shards=n)

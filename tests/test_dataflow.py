@@ -9,6 +9,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from redcoast.comms import megatron_ideal, per_layer
 from redcoast.sharding.dataflow import DataflowError, dataflow_placements
 from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes
+from redcoast.sharding.grouped_axes import named_sharding, per_device_pieces
 from redcoast.sharding.paths import path_to_tuple
 
 from architectures import ARCHITECTURES, B, H, HD, T, gqa, moe, mqa, plain_jax, scan_stacked, transposed
@@ -59,7 +60,7 @@ def test_sharded_step_equals_single_device_step(name, n):
     by_path = {pl.path: pl.spec for pl in placements}
     mesh = mesh_for(n)
     shardings = jax.tree_util.tree_map_with_path(
-        lambda kp, _: NamedSharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
+        lambda kp, _: named_sharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
     batch_sharding = NamedSharding(mesh, P("dp"))
     step = sgd_step(arch.loss)
 
@@ -75,11 +76,14 @@ def test_sharded_step_equals_single_device_step(name, n):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
                                    err_msg=f"{name}: {jax.tree_util.keystr(path)}")
 
-    # each device holds about 1/n of the split weights, all of the replicated ones
-    split_total = sum(np.asarray(x).nbytes for x, pl in zip(jax.tree_util.tree_leaves(arch.params), _flat(placements, arch.params)) if pl != P())
-    replicated = sum(np.asarray(x).nbytes for x, pl in zip(jax.tree_util.tree_leaves(arch.params), _flat(placements, arch.params)) if pl == P())
+    # each device holds about 1/n of the split weights (1/groups of K/V kept by groups of
+    # shards), all of the replicated ones
+    specs, leaves = _flat(placements, arch.params), jax.tree_util.tree_leaves(arch.params)
+    ideal = sum(np.asarray(x).nbytes / per_device_pieces(s, {"mp": n}) for x, s in zip(leaves, specs))
+    split_total = sum(np.asarray(x).nbytes for x, s in zip(leaves, specs) if s != P())
+    replicated = sum(np.asarray(x).nbytes for x, s in zip(leaves, specs) if s == P())
     on_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree_util.tree_leaves(got_params))
-    assert on_device <= 1.10 * split_total / n + replicated
+    assert on_device <= 1.10 * ideal
     assert split_total > replicated, f"{name}: most weight bytes should be split"
 
 
@@ -252,7 +256,7 @@ def _per_layer_ratio(loss_of, n):
         arch = plain_jax(n_layers=depth)
         by_path = {pl.path: pl.spec for pl in dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=n)}
         shardings = jax.tree_util.tree_map_with_path(
-            lambda kp, _: NamedSharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
+            lambda kp, _: named_sharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
         return jax.jit(jax.grad(loss_of(arch.loss)), in_shardings=(shardings, NamedSharding(mesh, P("dp"))),
                        out_shardings=shardings).lower(arch.params, arch.batch).compile()
 
@@ -281,3 +285,27 @@ def test_the_traced_function_knows_the_number_of_model_shards():
     with pytest.raises(ZeroDivisionError):
         laid_out_for(lambda: 1 / 0, 8)()
     assert model_shards() == 1
+
+
+@pytest.mark.parametrize("repeat, read_k_elsewhere, want", [
+    (lambda k: jnp.repeat(k, 4, axis=2), False, P(None, "mp:2")),
+    (lambda k: jnp.tile(k, (1, 1, 4, 1)), False, P()),
+    (lambda k: jnp.repeat(k, 4, axis=2), True, P()),
+], ids=["head-major-repeat", "tiled-repeat", "k-read-elsewhere"])
+def test_kv_heads_are_kept_by_groups_only_when_each_group_reads_its_own(repeat, read_k_elsewhere, want):
+    # 2 KV heads, 8 query heads on 4 shards: with Llama's repeat_kv / jnp.repeat, KV head j is
+    # read only by query heads 4j..4j+3, which live on shards 2j, 2j+1: split over 2 groups.
+    # jnp.tile interleaves them (every shard reads both heads); a K read elsewhere is needed whole.
+    arch = gqa(n_layers=1)
+    params = {"emb": arch.params["emb"], "q": arch.params["layers"][0]["q"], "k": arch.params["layers"][0]["k"]}
+
+    def loss(p, batch):
+        x = p["emb"][batch["inputs"]]
+        k = jnp.einsum("btd,dhk->bthk", x, p["k"])
+        q = jnp.einsum("btd,dhk->bthk", x, p["q"])
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, repeat(k))
+        return jnp.mean(jax.nn.softmax(scores) ** 2) + (jnp.sum(k) if read_k_elsewhere else 0.0)
+
+    specs = {pl.path: pl.spec for pl in dataflow_placements(loss, params, arch.batch, n_model_shards=4)}
+    assert specs[("q",)] == P(None, "mp")
+    assert specs[("k",)] == want

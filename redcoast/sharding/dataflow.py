@@ -24,6 +24,7 @@ walked again until no conflict is left. Nothing depends on names, dict order or 
 """
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -31,7 +32,9 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from .auto import model_width
+from . import kv_repeat
 from .context import laid_out_for
+from .grouped_axes import grouped
 from .jaxpr_tools import output_axes
 from .paths import leaves_in_written_order, leaves_with_paths
 from .rules import Placement
@@ -138,6 +141,8 @@ class _Analysis:
             self.follow_conflicts = {}
             self.tentative = set()
             self.tainted_now = self.taint_out = self.clean_out = False
+            self.jaxprs = {}       # id -> every (sub)program walked, for the K/V group pass
+            self.weight_of = {}    # matmul eqn -> (leaf, parameter axis of each operand axis)
             ins = [Par(i, tuple(range(len(self.shapes[i])))) for i in range(self.n_params)]
             ins += [Rep(_all(len(_shape(v)))) for v in self.closed.jaxpr.invars[self.n_params:]]
             self.eval_closed(self.closed, ins)
@@ -203,6 +208,7 @@ class _Analysis:
     # ---- evaluation ------------------------------------------------------------------------
     def eval_closed(self, closed, ins):
         jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+        self.jaxprs[id(jaxpr)] = jaxpr
         env = {}
         for v in jaxpr.constvars:
             env[v] = CONST
@@ -609,6 +615,7 @@ class _Analysis:
             return [CONST]
         if isinstance(l, Par) or isinstance(r, Par):
             w = 0 if isinstance(l, Par) else 1
+            self.weight_of[eqn] = (ins[w].leaf, ins[w].axes)
             return [self.param_matmul(eqn, ins[w], ins[1 - w], w, shapes, contract, batch, free,
                                       out_axis, role, out_nd)]
         # activation x activation (attention scores, per-head values, expert combine)
@@ -810,6 +817,35 @@ class _Analysis:
         return None, "replicated: not a matmul weight (norm, scale, bias of a replicated output, or unused)"
 
 
+def _kv_head_groups(analysis):
+    """{leaf: (parameter axis, groups)} for the K/V weights the plan replicates because their
+    heads do not divide the shards, but whose output is repeated per query head (Llama's
+    ``repeat_kv``, ``jnp.repeat``: head-major, so a KV head's query heads are consecutive and
+    live on consecutive shards). Such a weight is split over ``gcd(heads, shards)`` groups of
+    shards (grouped_axes.py), each group keeping the heads its query heads read. Every matmul
+    that reads the weight must be such a projection, else it stays replicated."""
+    n = analysis.n
+    found, uses = {}, {}
+    for eqn, (leaf, _) in analysis.weight_of.items():
+        uses.setdefault(leaf, set()).add(eqn)
+    for jaxpr in analysis.jaxprs.values():
+        for _, plan in kv_repeat.find_repeats(jaxpr, lambda shape, axes: False):
+            leaf, axes = analysis.weight_of.get(plan["dot"], (None, None))
+            if leaf is None or analysis.placement(leaf)[0] is not None:
+                continue
+            pa = axes[plan["weight_axis"]]
+            groups = math.gcd(plan["heads"], n)
+            if pa is None or groups == 1 or (plan["heads"] * plan["groups"]) % n:
+                continue
+            found.setdefault(leaf, {})[plan["dot"]] = (pa, groups)
+    out = {}
+    for leaf, by_dot in found.items():
+        choices = set(by_dot.values())
+        if set(by_dot) == uses.get(leaf) and len(choices) == 1:
+            out[leaf] = choices.pop()
+    return out
+
+
 def _abstract(tree):
     def to_sds(x):
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -844,11 +880,18 @@ def dataflow_placements(fn, params, *example_args, n_model_shards):
     analysis = _Analysis(closed, len(flat), shapes, n, width)
     analysis.run()
     index = {path: i for i, (path, _) in enumerate(flat)}
+    kv_groups = _kv_head_groups(analysis)
     out = []
     for path, x in leaves:
         i = index[path]
         axis, reason = analysis.placement(i)
         spec = P() if axis is None else P(*([None] * axis + [MP]))
+        if i in kv_groups:
+            axis, groups = kv_groups[i]
+            spec = P(*([None] * axis + [grouped(MP, groups)]))
+            reason = (f"K/V heads (axis {axis}, size {shapes[i][axis]}) over {groups} groups of "
+                      f"{n // groups} shards: fewer heads than shards, each group keeps the heads "
+                      "its query heads read")
         out.append(Placement(path, shapes[i], getattr(x, "dtype", np.float32), spec, reason))
     return out
 

@@ -3,11 +3,11 @@
 Applied after the tensor-parallel plan (automatic and user rules) is final: every large tensor
 gets 'dp' on one more dimension, the largest one not already split that the data-parallel size
 divides, so a device keeps about 1/device_count of it instead of 1/n_model_shards. A tensor the
-tensor-parallel plan replicates (K/V with too few heads, a fused QKV it could not split) is split
-over both axes, ('dp', 'mp'), when a dimension divides by the device count: otherwise every model
-shard would keep a 1/dp copy of it. XLA
-all-gathers a parameter where the step uses it and reduce-scatters its gradient; the batch stays
-split over 'dp' as before. Small tensors (biases, norms) stay replicated over 'dp': splitting
+tensor-parallel plan replicates (a fused QKV it could not split) or splits over groups of the
+model shards (K/V with fewer heads than shards) is split over both axes, ('dp', 'mp'), when a
+dimension divides by the device count: otherwise every model shard (group) would keep a 1/dp copy
+of it. XLA all-gathers a parameter where the step uses it and reduce-scatters its gradient; the
+batch stays split over 'dp' as before. Small tensors (biases, norms) stay replicated over 'dp': splitting
 them saves little memory and costs one collective each.
 """
 
@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from .grouped_axes import parse as parse_grouped
 from .rules import _as_tuple
 
 DP = "dp"
@@ -46,10 +47,13 @@ def _add_dp(pl, n, n_model, min_bytes):
         why = f"; replicated over dp ({nbytes:,} bytes < {min_bytes:,})"
         return dataclasses.replace(pl, reason=pl.reason + why)
     largest = lambda dims: max(dims, key=lambda d: (pl.shape[d], -d))  # noqa: E731 - first on a tie
-    if n_model > 1 and all(axes is None for axes in spec):
+    # a split over groups of the model shards (K/V heads, grouped_axes.py) keeps 1/groups of the
+    # tensor per shard: over both axes it keeps 1/device_count, gathered by FSDP where used
+    if n_model > 1 and all(axes is None or parse_grouped(axes)[1] for axes in spec):
         both = [d for d in range(len(spec)) if pl.shape[d] % (n * n_model) == 0]
         if both:
             dim = largest(both)
+            spec = [None] * len(spec)
             spec[dim] = (DP, MP)
             why = f"; dim {dim} split over all {n * n_model} devices (FSDP over dp and mp)"
             return dataclasses.replace(pl, spec=tuple(spec), reason=pl.reason + why)

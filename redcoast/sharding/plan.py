@@ -1,10 +1,11 @@
 """A parameter placement plan: automatic rules, user overrides, validation, and shardings."""
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from .auto import auto_placements
 from .fsdp import fsdp_placements
+from .grouped_axes import named_sharding
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
 from .rules import (Placement, check_rules_format, check_spec_fits, first_matching_rule,
@@ -44,12 +45,12 @@ class ShardingPlan:
         return [pl.spec for pl in self.placements] == [pl.spec for pl in other.placements]
 
     def param_shardings(self):
-        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.param_specs,
+        return jax.tree_util.tree_map(lambda s: named_sharding(self.mesh, s), self.param_specs,
                                       is_leaf=lambda x: isinstance(x, P))
 
     def opt_state_shardings(self, opt_state):
         specs = opt_state_specs(opt_state, self.placements)
-        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
+        return jax.tree_util.tree_map(lambda s: named_sharding(self.mesh, s), specs,
                                       is_leaf=lambda x: isinstance(x, P))
 
     def rules(self):

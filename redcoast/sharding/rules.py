@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
+from .grouped_axes import axis_size, per_device_pieces
 from .paths import path_to_str
 
 
@@ -37,10 +38,7 @@ class Placement:
     def bytes_per_device(self, axis_sizes):
         """Bytes of this parameter on one device, given the mesh axis sizes."""
         n = int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-        for axes in self.spec:
-            for axis in _as_tuple(axes):
-                n //= axis_sizes[axis]
-        return n
+        return n // per_device_pieces(self.spec, axis_sizes)
 
 
 def _as_tuple(axes):
@@ -96,11 +94,13 @@ def check_spec_fits(spec, shape, axis_sizes, path):
     for dim, axes in enumerate(spec):
         n = 1
         for axis in _as_tuple(axes):
-            if axis not in axis_sizes:
+            size = axis_size(axis, axis_sizes)
+            if size is None:
                 raise ConfigError(
                     f"The PartitionSpec {spec} for '{where}' names mesh axis {axis!r}; the mesh has "
-                    f"{tuple(axis_sizes)}. Fix: use 'mp' (model shards) or 'dp' (data parallel).")
-            n *= axis_sizes[axis]
+                    f"{tuple(axis_sizes)}. Fix: use 'mp' (model shards) or 'dp' (data parallel), or "
+                    "'mp:k' (k consecutive groups of the model shards, k dividing their number).")
+            n *= size
         if shape[dim] % n:
             raise ConfigError(
                 f"The PartitionSpec {spec} for '{where}' splits dimension {dim} (size {shape[dim]}) "
