@@ -309,3 +309,24 @@ def test_kv_heads_are_kept_by_groups_only_when_each_group_reads_its_own(repeat, 
     specs = {pl.path: pl.spec for pl in dataflow_placements(loss, params, arch.batch, n_model_shards=4)}
     assert specs[("q",)] == P(None, "mp")
     assert specs[("k",)] == want
+
+
+def test_a_weight_repeated_by_hand_is_not_split_through_its_repeat():
+    # K's (hidden, kv*head_dim) kernel repeated per query head inside the model: the matmul's
+    # output axis (kv, group, head_dim) merged splits cleanly 2 ways (one KV head per shard), but
+    # 4 or 8 ways would cut head_dim of the kernel: replicated there, with the reason
+    arch = gqa(n_layers=1)
+    params = {"emb": arch.params["emb"], "q": arch.params["layers"][0]["q"].reshape(H, -1),
+              "k": arch.params["layers"][0]["k"].reshape(H, -1)}
+
+    def loss(p, batch):
+        x = p["emb"][batch["inputs"]]
+        wk = jnp.repeat(p["k"].reshape(H, 2, HD), 4, axis=1).reshape(H, 8 * HD)
+        k, q = (x @ wk).reshape(B, T, 8, HD), (x @ p["q"]).reshape(B, T, 8, HD)
+        return jnp.mean(jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k)) ** 2)
+
+    for n, want in ((2, P(None, "mp")), (4, P()), (8, P())):
+        k, = [pl for pl in dataflow_placements(loss, params, arch.batch, n_model_shards=n) if pl.path == ("k",)]
+        assert k.spec == want, n
+        if want == P():
+            assert "repeated before the matmul" in k.reason

@@ -268,14 +268,16 @@ def test_beam_search_inside_a_predictor(tiny, deployer):
 
 def test_more_model_shards_than_kv_heads_inside_a_predictor(tiny, free_greedy):
     # 2 KV heads on 4 model shards: traced for 4 shards, attention repeats K/V per query head,
-    # so the plan splits the query heads (not the whole attention replicated); the cached
-    # decoding inside the Predictor's pred_fn takes the same path
+    # so the plan splits the query heads (not the whole attention replicated) and keeps each KV
+    # head on the 2 shards of its query heads; the cached decoding inside the Predictor's
+    # pred_fn takes the same path
     _, model, params = tiny
     four = redcoast.Deployer(n_model_shards=4, verbose=False)
     plan = four.get_sharding_plan(params, traced_fn=model.apply,
                                   example_args=llama.example_inputs(model.config))
-    split = {pl.path[-2]: "mp" in str(pl.spec) for pl in plan.placements if pl.path[-1] == "kernel"}
-    assert split["q_proj"] and split["o_proj"] and not split["k_proj"]
+    specs = {pl.path[-2]: tuple(pl.spec) for pl in plan.placements if pl.path[-1] == "kernel"}
+    assert "mp" in specs["q_proj"] and "mp" in specs["o_proj"]
+    assert "mp:2" in specs["k_proj"] and "mp:2" in specs["v_proj"]
 
     def collate_fn(prompts):
         ids, mask = left_pad(prompts, PAD, length=IDS.shape[1])

@@ -370,8 +370,15 @@ class _Analysis:
             axes = [None] * len(b_shape)
             for gi, gj in groups:
                 i, j = _major(gi, a_shape), _major(gj, b_shape)
-                if i is not None and j is not None:
-                    axes[j] = s.axes[i]
+                if i is None or j is None:
+                    continue
+                merged = [x for x in gi if a_shape[x] > 1]
+                # axes merged into one: a split of the result in n blocks is a split of the
+                # parameter axis of the major one only if that one divides (a K weight repeated
+                # by hand, (kv, group, head_dim) merged: n > kv would cut head_dim)
+                if any(s.axes[x] != s.axes[i] for x in merged) and a_shape[i] % self.n:
+                    continue
+                axes[j] = s.axes[i]
             return [Par(s.leaf, tuple(axes))]
         vary = set()
         for gi, gj in groups:
@@ -714,10 +721,13 @@ class _Analysis:
         cands = [w.axes[a] for a in order if pshape[w.axes[a]] % n == 0 and wshape[a] % n == 0]
         if leaf in self.wish and self.wish[leaf] in [w.axes[a] for a in wfree + list(wbatch)]:
             cands = [self.wish[leaf]] + [c for c in cands if c != self.wish[leaf]]
-        if not cands:
+        if not cands and not order:
+            self.undivisible[leaf] = ("no output axis of its matmul is a whole axis of the parameter "
+                                      f"(e.g. repeated before the matmul) that {n} shards can split")
+        elif not cands:
             sizes = [pshape[w.axes[a]] for a in order]
             self.undivisible[leaf] = (f"output dimension{'s' if len(sizes) > 1 else ''} "
-                                      f"{', '.join(map(str, sizes)) or '(none)'} not divisible by {n}")
+                                      f"{', '.join(map(str, sizes))} not divisible by {n}")
         prev = self.candidates.get(leaf)
         if prev is None or len(cands) > len(prev):
             self.candidates[leaf] = cands
