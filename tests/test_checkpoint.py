@@ -179,3 +179,34 @@ def test_export_params_is_plain_safetensors(tmp_path):
     tensors = load_file(str(tmp_path / "model.safetensors"))
     np.testing.assert_array_equal(tensors["block_1.fc_in.kernel"], params["block_1"]["fc_in"]["kernel"])
     assert len(tensors) == len(__import__("jax").tree_util.tree_leaves(params))
+
+
+def test_kv_heads_kept_by_groups_of_shards_save_and_restore_onto_other_meshes(tmp_path):
+    # 2 KV heads on 4 shards are split over 2 groups of shards ('mp:2', a mesh of the same
+    # devices viewed as (dp, groups, within)); a checkpoint restores onto 8 shards (groups of 4)
+    # and onto 1 (replicated) with the same values
+    import jax
+    from architectures import gqa
+
+    arch = gqa(n_layers=1)
+    rows = [{k: v[i] for k, v in arch.batch.items()} for i in range(len(arch.batch["inputs"]))]
+
+    def trainer(n):
+        deployer = Deployer(jax_seed=0, n_model_shards=n, workdir=str(tmp_path), verbose=False)
+        return Trainer(deployer, lambda rs: {k: np.stack([r[k] for r in rs]) for k in rs[0]}, None,
+                       lambda rng, state, params, batch, is_training: arch.loss(params, batch),
+                       arch.params, optax.adamw(1e-2), fuse_matmuls=True)
+
+    saver = trainer(4)
+    saver.fit(rows, 4, 1, save_last_ckpt=True)  # per device: 4 x 2 data shards = the batch
+    k = saver.params["layers"][0]["k"]
+    assert "mp:2" in k.sharding.spec and k.addressable_shards[0].data.shape[1] == 1
+    saved = {kp: np.asarray(x) for kp, x in _flat((saver.params, saver.state.opt_state)).items()}
+    for n in (8, 1):
+        restorer = trainer(n)
+        restorer.restore_checkpoint(CheckpointStore(tmp_path / "checkpoints" / "steps"))
+        got = _flat((restorer.params, restorer.state.opt_state))
+        assert sorted(got) == sorted(saved)
+        for kp, x in got.items():
+            np.testing.assert_array_equal(np.asarray(x), saved[kp], err_msg=f"{n} shards: {kp}")
+        assert jax.tree_util.tree_leaves(restorer.params)[0].sharding.mesh.devices.size == 8

@@ -3,6 +3,7 @@
 import jax
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from architectures import B, H, T, bert, flax_nnx, gqa, moe, plain_jax, scan_stacked
 from redcoast import Deployer, Trainer
@@ -50,6 +51,19 @@ def test_moe_remat_and_replicated_kv_stay_within_megatron_traffic(make_arch, n, 
     layer = per_layer(lambda depth: _trainer_step(make_arch, depth, n)[0], mesh)
     ideal = megatron_ideal(B // (jax.device_count() // n), T, H, n, recompute=arch.recompute)
     assert layer["mp"]["wire_bytes"] / ideal["wire_bytes"] <= at_most
+
+
+@pytest.mark.parametrize("fuse, kv_spec", [(True, P(None, "mp:2")), (None, P())], ids=["fused", "as-written"])
+def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projection(fuse, kv_spec):
+    # as written, XLA would gather K/V's gradient repeated per query head within each group
+    # (1.375x Megatron's bytes on 4 shards); replicated K/V move 1.125x there
+    arch = gqa(n_layers=1)
+    trainer = Trainer(deployer=Deployer(n_model_shards=4, verbose=False), collate_fn=lambda rows: rows,
+                      apply_fn=None, loss_fn=lambda rng, state, params, batch, is_training: arch.loss(params, batch),
+                      params=arch.params, optimizer=optax.sgd(0.1), fsdp=False, fuse_matmuls=fuse)
+    trainer.compile_train_step(arch.batch)
+    k, = [pl for pl in trainer.plan.placements if pl.path == ("layers", "0", "k")]
+    assert k.spec == kv_spec
 
 
 def test_on_cpu_devices_fusion_is_off_unless_asked():

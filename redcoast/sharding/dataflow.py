@@ -866,12 +866,14 @@ def _abstract(tree):
     return jax.tree_util.tree_map(to_sds, tree)
 
 
-def dataflow_placements(fn, params, *example_args, n_model_shards):
+def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_heads=True):
     """One :class:`Placement` per leaf of ``params`` (written order), from ``fn``'s data flow.
 
     ``fn(params, *example_args)`` is any function of the parameters — the forward pass or the
-    loss; the args may be arrays or ``jax.ShapeDtypeStruct``s (nothing is computed). Raises
-    :class:`DataflowError` if ``fn`` cannot be traced.
+    loss; the args may be arrays or ``jax.ShapeDtypeStruct``s (nothing is computed). With
+    ``group_kv_heads``, K/V with fewer heads than shards are split over groups of shards (see
+    :func:`_kv_head_groups`), else replicated. Raises :class:`DataflowError` if ``fn`` cannot be
+    traced.
     """
     leaves = leaves_in_written_order(params)
     n = n_model_shards
@@ -890,7 +892,7 @@ def dataflow_placements(fn, params, *example_args, n_model_shards):
     analysis = _Analysis(closed, len(flat), shapes, n, width)
     analysis.run()
     index = {path: i for i, (path, _) in enumerate(flat)}
-    kv_groups = _kv_head_groups(analysis)
+    kv_groups = _kv_head_groups(analysis) if group_kv_heads else {}
     out = []
     for path, x in leaves:
         i = index[path]
@@ -906,11 +908,11 @@ def dataflow_placements(fn, params, *example_args, n_model_shards):
     return out
 
 
-def traced_placements(fn, params, *example_args, n_model_shards):
+def traced_placements(fn, params, *example_args, n_model_shards, group_kv_heads=True):
     """``(placements, where they came from)`` by :func:`dataflow_placements`, or ``(None, why
     not)`` when the analysis cannot follow ``fn`` (the caller then keeps the shape rules)."""
     try:
-        return (dataflow_placements(fn, params, *example_args, n_model_shards=n_model_shards),
-                "the traced data flow")
+        return (dataflow_placements(fn, params, *example_args, n_model_shards=n_model_shards,
+                                    group_kv_heads=group_kv_heads), "the traced data flow")
     except Exception as e:  # noqa: BLE001 - any program the analysis cannot follow
         return None, f"shapes and order only (the data-flow analysis failed: {type(e).__name__}: {e})"
