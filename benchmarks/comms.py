@@ -34,7 +34,8 @@ from redcoast.sharding.paths import path_to_tuple  # noqa: E402
 
 
 def compiled_step(arch, n, mesh, fuse=False):
-    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=n)
+    # as the Trainer: K/V kept by groups of shards only with their projection rewritten (fused)
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=n, group_kv_heads=fuse)
     by_path = {pl.path: pl.spec for pl in placements}
     shardings = jax.tree_util.tree_map_with_path(
         lambda kp, _: named_sharding(mesh, by_path[path_to_tuple(kp)]), arch.params)

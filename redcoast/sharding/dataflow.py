@@ -31,8 +31,8 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
-from .auto import model_width
 from . import kv_repeat
+from .auto import model_width
 from .context import laid_out_for
 from .grouped_axes import grouped
 from .jaxpr_tools import output_axes

@@ -7,8 +7,8 @@ tensor-parallel plan replicates (a fused QKV it could not split) or splits over 
 model shards (K/V with fewer heads than shards) is split over both axes, ('dp', 'mp'), when a
 dimension divides by the device count: otherwise every model shard (group) would keep a 1/dp copy
 of it. XLA all-gathers a parameter where the step uses it and reduce-scatters its gradient; the
-batch stays split over 'dp' as before. Small tensors (biases, norms) stay replicated over 'dp': splitting
-them saves little memory and costs one collective each.
+batch stays split over 'dp' as before. Small tensors (biases, norms) stay replicated over 'dp':
+splitting them saves little memory and costs one collective each.
 """
 
 import dataclasses

@@ -35,8 +35,9 @@ _INLINE = ("jit", "pjit", "closed_call", "core_call")
 # slice of the fused weight is made of its slices of the separate ones.
 _BLOCKS = contextvars.ContextVar("redcoast_fusion_blocks", default=1)
 # (shape, axis) of the weights the plan splits over the model shards ((shape, axis, groups) over
-# groups of them), or None (unknown: fuse every group). A matmul is fused only if its weight is split along a free axis: fusing
-# replicated weights makes XLA move more (measured: GQA with K/V replicated, 1.08x -> 1.21x).
+# groups of them), or None (unknown: fuse every group). A matmul is fused only if its weight is
+# split along a free axis: fusing replicated weights makes XLA move more (measured: GQA with K/V
+# replicated, 1.08x -> 1.21x).
 _SPLIT = contextvars.ContextVar("redcoast_fusion_split", default=None)
 # The mesh the fused function runs on, when known: replicated activations that gate a split
 # matmul's output are pinned replicated on it (else XLA may split the router of an MoE).
