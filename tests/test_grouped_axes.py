@@ -58,3 +58,16 @@ def test_fsdp_stores_a_grouped_tensor_over_all_devices():
     out, = fsdp_placements([pl], 2, min_bytes=0, n_model_shards=4)
     assert out.spec == P(("dp", "mp"))
     assert out.bytes_per_device({"dp": 2, "mp": 4}) == 64 * 2 * 4 * 4 // 8
+
+
+def test_a_grouped_rule_pasted_back_places_the_parameter_by_groups():
+    from redcoast.sharding import ShardingPlan
+
+    mesh = _mesh(2, 4)
+    params = {"k": np.zeros((16, 2, 4), np.float32), "q": np.zeros((16, 8, 4), np.float32)}
+    plan = ShardingPlan(params, mesh, user_rules=[(("k",), P(None, "mp:2")), (("q",), P(None, "mp"))])
+    assert "'mp:2'" in plan.table()
+    assert "PartitionSpec(None, 'mp:2')" in plan.rules_source()
+    k = jax.device_put(params["k"], plan.param_shardings()["k"])
+    assert k.addressable_shards[0].data.shape == (16, 1, 4)
+    assert plan.placements[0].bytes_per_device(dict(mesh.shape)) == 16 * 2 * 4 * 4 // 2
