@@ -116,7 +116,7 @@ def main(names):
     for name in names:
         for n in (2, 4, 8):
             count, ratio, mem = measure(name, n)
-            print(f"{name:<12}{n:>3}  {count:>20g}  {ratio:>12.2f}x  {mem:>13.2f}x", flush=True)
+            print(f"{name:<12}{n:>3}  {count:>20g}  {ratio:>12.3f}x  {mem:>13.3f}x", flush=True)
     print(f"({time.perf_counter() - t0:.0f} s; jax {jax.__version__}, {jax.device_count()} CPU devices)")
 
 
