@@ -330,3 +330,23 @@ def test_a_weight_repeated_by_hand_is_not_split_through_its_repeat():
         assert k.spec == want, n
         if want == P():
             assert "repeated before the matmul" in k.reason
+
+
+def test_kv_heads_of_a_jitted_layer_called_per_layer_are_all_kept_by_groups():
+    # one jitted layer function called with each layer's weights: one traced matmul, two weights
+    arch = gqa(n_layers=2)
+
+    @jax.jit
+    def layer(x, lyr):
+        k = jnp.einsum("btd,dhk->bthk", x, lyr["k"])
+        q = jnp.einsum("btd,dhk->bthk", x, lyr["q"])
+        return jnp.mean(jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 4, axis=2))) ** 2)
+
+    params = {"emb": arch.params["emb"], "layers": [{"q": l["q"], "k": l["k"]} for l in arch.params["layers"]]}
+
+    def loss(p, batch):
+        x = p["emb"][batch["inputs"]]
+        return sum(layer(x, lyr) for lyr in p["layers"])
+
+    specs = {pl.path: pl.spec for pl in dataflow_placements(loss, params, arch.batch, n_model_shards=4)}
+    assert specs[("layers", "0", "k")] == specs[("layers", "1", "k")] == P(None, "mp:2")

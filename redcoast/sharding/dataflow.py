@@ -142,7 +142,7 @@ class _Analysis:
             self.tentative = set()
             self.tainted_now = self.taint_out = self.clean_out = False
             self.jaxprs = {}       # id -> every (sub)program walked, for the K/V group pass
-            self.weight_of = {}    # matmul eqn -> (leaf, parameter axis of each operand axis)
+            self.weight_of = {}    # matmul eqn -> {(leaf, parameter axis of each operand axis)}
             ins = [Par(i, tuple(range(len(self.shapes[i])))) for i in range(self.n_params)]
             ins += [Rep(_all(len(_shape(v)))) for v in self.closed.jaxpr.invars[self.n_params:]]
             self.eval_closed(self.closed, ins)
@@ -622,7 +622,7 @@ class _Analysis:
             return [CONST]
         if isinstance(l, Par) or isinstance(r, Par):
             w = 0 if isinstance(l, Par) else 1
-            self.weight_of[eqn] = (ins[w].leaf, ins[w].axes)
+            self.weight_of.setdefault(eqn, set()).add((ins[w].leaf, ins[w].axes))
             return [self.param_matmul(eqn, ins[w], ins[1 - w], w, shapes, contract, batch, free,
                                       out_axis, role, out_nd)]
         # activation x activation (attention scores, per-head values, expert combine)
@@ -836,18 +836,18 @@ def _kv_head_groups(analysis):
     that reads the weight must be such a projection, else it stays replicated."""
     n = analysis.n
     found, uses = {}, {}
-    for eqn, (leaf, _) in analysis.weight_of.items():
-        uses.setdefault(leaf, set()).add(eqn)
+    for eqn, weights in analysis.weight_of.items():
+        for leaf, _ in weights:  # a function called with several weights: one eqn, each leaf
+            uses.setdefault(leaf, set()).add(eqn)
     for jaxpr in analysis.jaxprs.values():
         for _, plan in kv_repeat.find_repeats(jaxpr, lambda shape, axes: False):
-            leaf, axes = analysis.weight_of.get(plan["dot"], (None, None))
-            if leaf is None or analysis.placement(leaf)[0] is not None:
-                continue
-            pa = axes[plan["weight_axis"]]
             groups = math.gcd(plan["heads"], n)
-            if pa is None or groups == 1 or (plan["heads"] * plan["groups"]) % n:
+            if groups == 1 or (plan["heads"] * plan["groups"]) % n:
                 continue
-            found.setdefault(leaf, {})[plan["dot"]] = (pa, groups)
+            for leaf, axes in analysis.weight_of.get(plan["dot"], ()):
+                pa = axes[plan["weight_axis"]]
+                if pa is not None and analysis.placement(leaf)[0] is None:
+                    found.setdefault(leaf, {})[plan["dot"]] = (pa, groups)
     out = {}
     for leaf, by_dot in found.items():
         choices = set(by_dot.values())
