@@ -3,11 +3,16 @@
     python multiprocess_worker.py OUT_DIR N_MODEL_SHARDS[,N_MODEL_SHARDS...] \
         [PROCESS_ID N_PROCESSES PORT N_LOCAL_DEVICES]
     python multiprocess_worker.py OUT_DIR ckpt
+    python multiprocess_worker.py OUT_DIR gqa
 
 With the last four arguments the Deployer gets them explicitly; without them it finds its place
 in the run by itself (under ``redcoast launch``: from the REDCOAST_* variables). One run of
 ``run_tiny.run`` per number of model shards, all in the same processes; each process saves its
 results, and how many examples it collated, to OUT_DIR/process_{id}_mp{n}.npz.
+
+``gqa``: train tests/architectures.py's gqa (2 KV heads) on 4 model shards with the matmul
+fusion on, so its K/V are kept by groups of shards ('mp:2'); save the parameters and K's spec to
+OUT_DIR/gqa_{id}.npz.
 
 ``ckpt``: restore the checkpoint found in OUT_DIR/workdir (written by another number of
 processes), save what was restored, train one more epoch from it, save a checkpoint there and
@@ -58,11 +63,32 @@ def checkpoint_round_trip(out_dir):
     np.savez(os.path.join(out_dir, f"final_{jax.process_index()}.npz"), **host_state(trainer))
 
 
+def grouped_kv_run(out_dir):
+    import jax
+    import optax
+    from architectures import gqa
+    from redcoast import Deployer, Trainer
+
+    arch = gqa(n_layers=1)
+    rows = [{k: v[i] for k, v in arch.batch.items()} for i in range(len(arch.batch["inputs"]))] * 2
+    trainer = Trainer(Deployer(jax_seed=0, n_model_shards=4, verbose=False),
+                      lambda rs: {k: np.stack([r[k] for r in rs]) for k in rs[0]}, None,
+                      lambda rng, state, params, batch, is_training: arch.loss(params, batch),
+                      arch.params, optax.sgd(0.1, momentum=0.9), fuse_matmuls=True)
+    trainer.fit(rows, 4, n_epochs=1)
+    state = host_state(trainer)
+    state["k_spec"] = np.array(str(trainer.params["layers"][0]["k"].sharding.spec))
+    np.savez(os.path.join(out_dir, f"gqa_{jax.process_index()}.npz"), **state)
+    return state
+
+
 def main():
     out_dir = sys.argv[1]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if sys.argv[2] == "ckpt":
         return checkpoint_round_trip(out_dir)
+    if sys.argv[2] == "gqa":
+        return grouped_kv_run(out_dir)
     shard_counts = [int(n) for n in sys.argv[2].split(",")]
     explicit = {}
     if len(sys.argv) > 3:

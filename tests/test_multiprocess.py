@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import multiprocess_worker
 import run_tiny
@@ -176,3 +177,22 @@ def test_checkpoints_move_between_process_counts(tmp_path):
     assert meta["step"] == int(final["step"])
     for key, value in multiprocess_worker.host_state(back).items():
         np.testing.assert_array_equal(value, final[key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_kv_heads_kept_by_groups_train_alike_on_two_processes(tmp_path):
+    # K/V split over groups of the model shards ('mp:2' on a view of the mesh): 2 processes x 4
+    # devices train the same parameters as one process with 8
+    one = multiprocess_worker.grouped_kv_run(str(tmp_path))
+    assert str(one["k_spec"]) == str(P(None, "mp:2"))
+    cmd = [sys.executable, "-m", "redcoast.launch", "-n", "2", "--local-devices", "4", WORKER,
+           str(tmp_path / "two"), "gqa"]
+    os.makedirs(tmp_path / "two")
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for i in range(2):
+        two = dict(np.load(tmp_path / "two" / f"gqa_{i}.npz"))
+        assert str(two["k_spec"]) == str(one["k_spec"])
+        for key, value in one.items():
+            if key != "k_spec":
+                np.testing.assert_allclose(two[key], value, rtol=1e-5, atol=1e-6, err_msg=f"process {i}: {key}")
