@@ -5,8 +5,8 @@ devices: derive the plan with ``dataflow_placements``, compile one SGD training 
 depths, and difference their collectives (redcoast/comms.py) to get one layer's traffic. The ratio
 is per-layer 'mp' wire bytes over Megatron's (2 all-reduces of the [batch, seq, hidden] activation
 forward and 2 backward; 3 + 3 with cross-attention; for layers under jax.checkpoint, as with
-Megatron's full activation recomputation, the forward's all-reduces once more). Data-parallel gradient reduction ('dp') and
-collectives spanning both axes ('all'/'mixed') are shown apart. The 'fused' column runs the same
+Megatron's full activation recomputation, the forward's all-reduces once more). Data-parallel
+gradient reduction ('dp') and collectives spanning both axes ('all'/'mixed') are shown apart. The 'fused' column runs the same
 plan with ``fuse_sibling_matmuls`` (matmuls sharing an input stacked into one, so the backward pass
 sums their input gradients locally and all-reduces once; an MoE's expert outputs summed with
 their gates before the all-reduce).

@@ -29,7 +29,6 @@ import optax  # noqa: E402
 from redcoast import Deployer, Trainer  # noqa: E402
 from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
 from redcoast.models import Model, bert, gpt2, llama, t5  # noqa: E402
-from redcoast.sharding.grouped_axes import per_device_pieces  # noqa: E402
 
 B, T, H, HEADS, V = 8, 8, 64, 8, 128
 
@@ -103,8 +102,8 @@ def measure(name, n):
     if MODELS[name][2]:  # one encoder + one decoder layer per depth step
         ideal += megatron_ideal(per_device, T, H, n, cross_attention=True)["wire_bytes"]
     plan = trainers[2].plan
-    nbytes = lambda pl: int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
-    ideal_bytes = sum(nbytes(pl) / per_device_pieces(pl.spec, {"mp": n}) for pl in plan.placements)
+    # bytes per device if only the model axis split them: K/V kept by groups count 1/groups
+    ideal_bytes = sum(pl.bytes_per_device({"mp": n}) for pl in plan.placements)
     on_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(trainers[2].params))
     mp = layer.get("mp", {"count": 0, "wire_bytes": 0})
     return mp["count"], mp["wire_bytes"] / ideal, on_device / ideal_bytes

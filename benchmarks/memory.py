@@ -33,7 +33,6 @@ from architectures import ARCHITECTURES  # noqa: E402
 from redcoast.sharding import ShardingPlan  # noqa: E402
 from redcoast.sharding.dataflow import dataflow_placements  # noqa: E402
 from redcoast.sharding.fsdp import fsdp_placements  # noqa: E402
-from redcoast.sharding.grouped_axes import per_device_pieces  # noqa: E402
 
 OPTIMIZER = optax.adamw(1e-3)
 
@@ -61,7 +60,7 @@ def measure(name, n):
     split = sum(nbytes(pl) for pl in mp if len(pl.spec))
     replicated = sum(nbytes(pl) for pl in mp if not len(pl.spec))
     # K/V kept by groups of shards (fewer heads than shards) can be split no further than groups
-    ideal = sum(nbytes(pl) / per_device_pieces(pl.spec, {"mp": n}) for pl in mp)
+    ideal = sum(pl.bytes_per_device({"mp": n}) for pl in mp)
 
     params, opt = live_state(ShardingPlan(arch.params, mesh, base_placements=mp), arch.params)
     mp_ratio = per_device(params) / ideal

@@ -115,12 +115,13 @@ class Trainer:
         def traced_loss(params, batch):
             return self.loss_fn(jax.random.PRNGKey(0), state, cast_floating(params, dtype), batch, True)
 
-        # K/V heads kept by groups of shards pay only with the K/V projection rewritten (fusion):
-        # as written, XLA gathers their gradient repeated per query head (gqa on 4 shards 1.375x
-        # Megatron's bytes, 1.125x replicated)
+        # K/V heads kept by groups of shards pay only with the K/V projection rewritten (the
+        # built-in step's fusion): as written, XLA gathers their gradient repeated per query head
+        # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated)
+        fused = self.fuse_matmuls and self.train_step_fn is None
         placements, source = traced_placements(traced_loss, state.params, abstract_batch,
                                                n_model_shards=self.deployer.n_model_shards,
-                                               group_kv_heads=self.fuse_matmuls)
+                                               group_kv_heads=fused)
         plan = self.deployer.get_sharding_plan(state.params, self.params_sharding_rules,
                                                base_placements=placements, fsdp=self.fsdp)
         return plan, source

@@ -279,11 +279,13 @@ def gqa(n_layers=2, seed=0, kv_heads=2):
             h = h + jax.nn.relu(rms_norm(h, lyr["norm2"]) @ lyr["up"]) @ lyr["down"]
         return cross_entropy(rms_norm(h, p["final"]) @ p["emb"].T, batch["targets"])
 
-    # with fewer KV heads than shards, each KV head is kept by the consecutive shards holding its
-    # query heads: split over gcd(kv_heads, shards) groups of the 'mp' axis
-    by_groups = lambda n: COL if kv_heads % n == 0 else P(None, f"mp:{math.gcd(kv_heads, n)}") \
-        if math.gcd(kv_heads, n) > 1 else REP  # noqa: E731
-    kv4, kv2 = by_groups(4), by_groups(2)
+    def kv_spec(n):
+        # with fewer KV heads than shards, each KV head is kept by the consecutive shards holding
+        # its query heads: split over gcd(kv_heads, shards) groups of the 'mp' axis
+        groups = math.gcd(kv_heads, n)
+        return COL if groups == n else P(None, f"mp:{groups}") if groups > 1 else REP
+
+    kv4, kv2 = kv_spec(4), kv_spec(2)
     base = {"layers/0/q": COL, "layers/0/o": ROW, "layers/0/up": COL, "layers/0/down": ROW, "emb": ROW}
     return Arch("gqa" if kv_heads > 1 else "mqa", params, loss, _tokens(),
                 {4: {**base, "layers/0/k": kv4, "layers/0/v": kv4},

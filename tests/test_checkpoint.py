@@ -183,10 +183,12 @@ def test_export_params_is_plain_safetensors(tmp_path):
 
 def test_kv_heads_kept_by_groups_of_shards_save_and_restore_onto_other_meshes(tmp_path):
     # 2 KV heads on 4 shards are split over 2 groups of shards ('mp:2', a mesh of the same
-    # devices viewed as (dp, groups, within)); a checkpoint restores onto 8 shards (groups of 4)
-    # and onto 1 (replicated) with the same values
-    import jax
+    # devices viewed as (dp, groups, within)); a checkpoint restores onto 8 shards (2 groups of
+    # 4) and onto 1 (replicated), into the traced plan's layout, with the same values
+    from jax.sharding import PartitionSpec as P
+
     from architectures import gqa
+    from redcoast.sharding.rules import normalize_spec
 
     arch = gqa(n_layers=1)
     rows = [{k: v[i] for k, v in arch.batch.items()} for i in range(len(arch.batch["inputs"]))]
@@ -204,9 +206,13 @@ def test_kv_heads_kept_by_groups_of_shards_save_and_restore_onto_other_meshes(tm
     saved = {kp: np.asarray(x) for kp, x in _flat((saver.params, saver.state.opt_state)).items()}
     for n in (8, 1):
         restorer = trainer(n)
+        restorer.compile_train_step(arch.batch)  # the traced plan: K/V by groups of 4 shards on 8
+        k_spec = lambda: normalize_spec(restorer.params["layers"][0]["k"].sharding.spec)  # noqa: E731
+        want = P(None, "mp:2") if n == 8 else P()
+        assert k_spec() == want
         restorer.restore_checkpoint(CheckpointStore(tmp_path / "checkpoints" / "steps"))
         got = _flat((restorer.params, restorer.state.opt_state))
         assert sorted(got) == sorted(saved)
         for kp, x in got.items():
             np.testing.assert_array_equal(np.asarray(x), saved[kp], err_msg=f"{n} shards: {kp}")
-        assert jax.tree_util.tree_leaves(restorer.params)[0].sharding.mesh.devices.size == 8
+        assert k_spec() == want  # restored into the traced layout

@@ -126,4 +126,3 @@ def test_mesh_groups_with_permuted_device_ids():
     assert _classify(groups, {"dp": 2, "mp": 4}, "all-gather") == "mp"
     listed = line.replace("([2,2,2]T(1,0,2))", "(0,1,4,5,2,3,6,7)")  # the same order, listed
     assert _parse_groups(listed) == groups
-

@@ -9,7 +9,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from redcoast.comms import megatron_ideal, per_layer
 from redcoast.sharding.dataflow import DataflowError, dataflow_placements
 from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes
-from redcoast.sharding.grouped_axes import named_sharding, per_device_pieces
+from redcoast.sharding.grouped_axes import named_sharding
 from redcoast.sharding.paths import path_to_tuple
 
 from architectures import ARCHITECTURES, B, H, HD, T, gqa, moe, mqa, plain_jax, scan_stacked, transposed
@@ -79,7 +79,7 @@ def test_sharded_step_equals_single_device_step(name, n):
     # each device holds about 1/n of the split weights (1/groups of K/V kept by groups of
     # shards), all of the replicated ones
     specs, leaves = _flat(placements, arch.params), jax.tree_util.tree_leaves(arch.params)
-    ideal = sum(np.asarray(x).nbytes / per_device_pieces(s, {"mp": n}) for x, s in zip(leaves, specs))
+    ideal = sum(pl.bytes_per_device({"mp": n}) for pl in placements)
     split_total = sum(np.asarray(x).nbytes for x, s in zip(leaves, specs) if s != P())
     replicated = sum(np.asarray(x).nbytes for x, s in zip(leaves, specs) if s == P())
     on_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree_util.tree_leaves(got_params))
@@ -155,6 +155,14 @@ def test_one_shard_replicates_everything_and_tracing_errors_are_reported():
         dataflow_placements(lambda p, b: p["missing"], arch.params, arch.batch, n_model_shards=4)
 
 
+def assert_same_loss_and_gradients(fused, arch):
+    """The rewritten loss (jitted) gives the written one's value and gradients."""
+    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
+    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("make_arch, n", [(gqa, 1), (gqa, 2), (scan_stacked, 1)],
                          ids=["gqa-stacked", "gqa-concatenated", "scan_stacked"])
 def test_fused_siblings_compute_the_same_loss_and_gradients(make_arch, n):
@@ -168,10 +176,7 @@ def test_fused_siblings_compute_the_same_loss_and_gradients(make_arch, n):
         assert n_dots(fused) == n_dots(arch.loss) - 2 * len(arch.params["layers"])
     if make_arch is scan_stacked:
         assert "remat" in str(jax.make_jaxpr(jax.grad(fused))(arch.params, arch.batch))
-    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
-    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert_same_loss_and_gradients(fused, arch)
 
 
 def _dot_output_shapes(fn, params, batch):
@@ -191,11 +196,7 @@ def test_moe_expert_outputs_are_summed_with_their_gates_before_the_all_reduce():
     assert expert_outputs(fused) == []
     # unknown split weights (no plan): nothing is reassociated
     assert len(expert_outputs(fuse_sibling_matmuls(arch.loss, 8))) == len(arch.params["layers"])
-    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
-    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
-
+    assert_same_loss_and_gradients(fused, arch)
 
 
 def test_moe_gates_are_pinned_replicated_without_changing_the_result():
@@ -206,10 +207,7 @@ def test_moe_gates_are_pinned_replicated_without_changing_the_result():
     fused = fuse_sibling_matmuls(arch.loss, 2, split_weight_axes(placements), mesh_for(2))
     jaxpr = str(jax.make_jaxpr(fused)(arch.params, arch.batch))
     assert jaxpr.count("sharding_constraint") == len(arch.params["layers"])
-    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
-    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert_same_loss_and_gradients(fused, arch)
 
 
 @pytest.mark.parametrize("make_arch", [gqa, mqa])
@@ -223,10 +221,7 @@ def test_replicated_kv_is_projected_per_query_head(make_arch):
     kv_outputs = lambda fn: [s for s in _dot_output_shapes(fn, arch.params, arch.batch) if s == (B, T, kv, HD)]  # noqa: E731
     assert len(kv_outputs(arch.loss)) == 2 * len(arch.params["layers"])
     assert kv_outputs(fused) == []
-    want = jax.value_and_grad(arch.loss)(arch.params, arch.batch)
-    got = jax.jit(jax.value_and_grad(fused))(arch.params, arch.batch)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert_same_loss_and_gradients(fused, arch)
 
 
 def test_kv_read_outside_the_repeat_is_left_as_written():

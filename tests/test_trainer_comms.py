@@ -53,14 +53,21 @@ def test_moe_remat_and_replicated_kv_stay_within_megatron_traffic(make_arch, n, 
     assert layer["mp"]["wire_bytes"] / ideal["wire_bytes"] <= at_most
 
 
-@pytest.mark.parametrize("fuse, kv_spec", [(True, P(None, "mp:2")), (None, P())], ids=["fused", "as-written"])
-def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projection(fuse, kv_spec):
-    # as written, XLA would gather K/V's gradient repeated per query head within each group
-    # (1.375x Megatron's bytes on 4 shards); replicated K/V move 1.125x there
+@pytest.mark.parametrize("fuse, own_step, kv_spec", [(True, False, P(None, "mp:2")), (None, False, P()),
+                                                    (True, True, P())],
+                         ids=["fused", "as-written", "own-train-step"])
+def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projection(fuse, own_step, kv_spec):
+    # as written (fusion off, or a train_step_fn of the user's), XLA would gather K/V's gradient
+    # repeated per query head within each group (1.375x Megatron's bytes on 4 shards);
+    # replicated K/V move 1.125x there
+    from redcoast.steps import make_train_step
+
     arch = gqa(n_layers=1)
+    loss_fn = lambda rng, state, params, batch, is_training: arch.loss(params, batch)  # noqa: E731
     trainer = Trainer(deployer=Deployer(n_model_shards=4, verbose=False), collate_fn=lambda rows: rows,
-                      apply_fn=None, loss_fn=lambda rng, state, params, batch, is_training: arch.loss(params, batch),
-                      params=arch.params, optimizer=optax.sgd(0.1), fsdp=False, fuse_matmuls=fuse)
+                      apply_fn=None, loss_fn=loss_fn, params=arch.params, optimizer=optax.sgd(0.1),
+                      fsdp=False, fuse_matmuls=fuse,
+                      train_step_fn=make_train_step(loss_fn, jax.numpy.float32, 1) if own_step else None)
     trainer.compile_train_step(arch.batch)
     k, = [pl for pl in trainer.plan.placements if pl.path == ("layers", "0", "k")]
     assert k.spec == kv_spec

@@ -205,7 +205,8 @@ def attend(q, k, v, mask, scale=None):
     v = v.astype(q.dtype)
     heads, kv_heads, n = q.shape[2], k.shape[2], model_shards()
     if kv_heads < heads and kv_heads % n and heads % n == 0:
-        # More model shards than KV heads: grouped K/V cannot be split, so that the query heads
-        # can, K/V are repeated to one per query head (the K/V projections stay replicated).
+        # More model shards than KV heads: so that the query heads can be split, K/V are
+        # repeated to one per query head (the plan keeps each KV head on the shards of its
+        # query heads, or replicates the K/V projections; sharding/grouped_axes.py).
         k, v = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v))
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)

@@ -49,6 +49,11 @@ def _split_along(shape, axes):
     return split is None or any((shape, a) in split for a in axes)
 
 
+def _split_by_groups(shape, axis):
+    """Whether the plan splits a weight of ``shape`` along ``axis`` over groups of shards."""
+    return any(len(s) == 3 and s[:2] == (shape, axis) for s in _SPLIT.get() or ())
+
+
 def _free_axes(eqn, side):
     """The free (neither contracted nor batch) axes of the non-shared operand."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -360,8 +365,7 @@ def _hoisting_pays(plan):
     dot, side = plan["dot"], plan["weight_side"]
     (lc, rc), _ = dot.params["dimension_numbers"]
     x, w = dot.invars[1 - side], dot.invars[side]
-    split = _SPLIT.get() or ()
-    if any(len(s) == 3 and s[:2] == (tuple(w.aval.shape), plan["weight_axis"]) for s in split):
+    if _split_by_groups(tuple(w.aval.shape), plan["weight_axis"]):
         return True
     x_contract, w_contract = (rc, lc) if side == 0 else (lc, rc)
     tokens = np.prod(x.aval.shape) / np.prod([x.aval.shape[d] for d in x_contract])

@@ -52,10 +52,6 @@ def _entries(spec):
                 yield name
 
 
-def is_grouped(spec):
-    return any(parse(name)[1] is not None for name in _entries(spec))
-
-
 @functools.lru_cache(maxsize=None)
 def factored_mesh(mesh, axis, groups):
     """``mesh`` with ``axis`` split into (``groups``, the rest): same devices, same order."""
