@@ -66,9 +66,9 @@ def kill_and_resume(tmp_path, uninterrupted, rng, inside_save):
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
-    rng = random.Random(0)
-    kill_and_resume(tmp_path / "a", uninterrupted, rng, inside_save=True)
-    kill_and_resume(tmp_path / "b", uninterrupted, rng, inside_save=False)
+    # killed while a checkpoint is being written: the last good one resumes bitwise; kills at
+    # random moments (half of them inside a save) are the slow test below
+    kill_and_resume(tmp_path / "a", uninterrupted, random.Random(0), inside_save=True)
 
 
 @pytest.mark.slow
