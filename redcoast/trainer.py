@@ -18,7 +18,7 @@ from .host import to_host
 from .predictor import Predictor
 from .preemption import PreemptionGuard
 from .sharding.context import laid_out_for
-from .sharding.dataflow import traced_placements
+from .sharding.dataflow import FALLBACK, traced_placements
 from .sharding.fusion import split_weight_axes
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
@@ -133,6 +133,8 @@ class Trainer:
             return
         self._plan_final = True
         plan, source = self._traced_plan(_abstract(example_batch))
+        if source.startswith(FALLBACK):  # said always, not only in verbose runs
+            self.deployer.log_warning(f"sharding plan from {source}")
         if not plan.same_placement(self.plan):
             self._move_to(plan)
         if self.deployer.verbose:

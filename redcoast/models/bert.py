@@ -15,6 +15,9 @@ from flax import nnx
 
 from ..errors import ConfigError
 from . import hf
+from .layers import attend
+
+_NOT_IN_HF = ("dtype", "remat", "attention_implementation")  # run settings, not the model's
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # the erf form, as in BERT's checkpoints
@@ -42,6 +45,7 @@ class Config:
     architecture: str = "BertModel"
     dtype: Any = jnp.float32
     remat: bool = False
+    attention_implementation: Any = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
         if self.hidden_act not in ACTIVATIONS:
@@ -72,14 +76,14 @@ class Config:
             labels = tuple(id2label[k] for k in sorted(id2label, key=int))
         else:
             labels = tuple(f"LABEL_{i}" for i in range(d.get("num_labels", 2)))
-        names = set(f.name for f in dataclasses.fields(cls)) - {"labels", "architecture", "dtype",
-                                                                  "remat"}
+        names = set(f.name for f in dataclasses.fields(cls)) - {"labels", "architecture",
+                                                                  *_NOT_IN_HF}
         return cls(**{k: d[k] for k in names if d.get(k) is not None}, labels=labels,
                    architecture=(d.get("architectures") or ["BertModel"])[0])
 
     def to_hf(self):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("labels", "architecture", "dtype", "remat")}
+             if f.name not in ("labels", "architecture", *_NOT_IN_HF)}
         return {**d, "model_type": "bert", "architectures": [self.architecture],
                 "position_embedding_type": "absolute",
                 "id2label": {str(i): name for i, name in enumerate(self.labels)},
@@ -120,8 +124,8 @@ class BertLayer(nnx.Module):
     def __call__(self, x, mask):
         b, t, _ = x.shape
         heads = lambda y: y.reshape(b, t, self.config.num_attention_heads, self.config.head_dim)  # noqa: E731
-        a = jax.nn.dot_product_attention(heads(self.query(x)), heads(self.key(x)),
-                                         heads(self.value(x)), mask=mask)
+        a = attend(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)), mask,
+                   implementation=self.config.attention_implementation)
         x = self.attn_norm(x + self.attn_out(a.reshape(b, t, -1)))
         h = self.ffn_out(ACTIVATIONS[self.config.hidden_act](self.ffn_in(x)))
         return self.ffn_norm(x + h)

@@ -18,6 +18,9 @@ from jax import lax
 
 from ..errors import ConfigError
 from . import hf
+from .layers import attend
+
+_NOT_IN_HF = ("dtype", "remat", "attention_implementation")  # run settings, not the model's
 
 ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -44,6 +47,7 @@ class Config:
     eos_token_id: Any = 50256
     dtype: Any = jnp.float32
     remat: bool = False
+    attention_implementation: Any = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
         if self.activation_function not in ACTIVATIONS:
@@ -65,12 +69,12 @@ class Config:
         if d.get("tie_word_embeddings", True) is False:
             raise ConfigError("tie_word_embeddings=false: redcoast's GPT-2 ties its LM head to the "
                               "token embedding, as every released GPT-2 does.")
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "remat"}
+        names = {f.name for f in dataclasses.fields(cls)} - set(_NOT_IN_HF)
         return cls(**{k: d[k] for k in names if k in d})
 
     def to_hf(self):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("dtype", "remat")}
+             if f.name not in _NOT_IN_HF}
         return {**d, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
                 "tie_word_embeddings": True}
 
@@ -116,6 +120,7 @@ class Attention(nnx.Module):
         if config.scale_attn_by_inverse_layer_idx:
             scale /= layer_idx + 1
         self.scale = scale
+        self.implementation = config.attention_implementation
 
     def __call__(self, x, mask, cache=None, cache_index=None):
         q, k, v = self.c_attn(x)
@@ -124,7 +129,9 @@ class Attention(nnx.Module):
             cache = {"k": lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start),
                      "v": lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)}
             k, v = cache["k"].astype(q.dtype), cache["v"].astype(q.dtype)
-        a = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=self.scale)
+        # mask None: causal and unpadded, masked inside the kernel
+        a = attend(q, k, v, mask, scale=self.scale, causal=mask is None,
+                   implementation=self.implementation)
         return self.c_proj(a.reshape(*x.shape[:2], -1)), cache
 
 
@@ -180,9 +187,10 @@ class GPT2LMHeadModel(nnx.Module):
                  cache_index=None):
         b, t = input_ids.shape
         if cache is None:
-            mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+            mask = None  # causal, unpadded: the attention kernel masks itself
             if attention_mask is not None:
-                mask = mask & attention_mask.astype(bool)[:, None, None, :]
+                mask = (jnp.tril(jnp.ones((t, t), bool))[None, None]
+                        & attention_mask.astype(bool)[:, None, None, :])
             if positions is None:
                 positions = (jnp.broadcast_to(jnp.arange(t), (b, t)) if attention_mask is None
                              else jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0))

@@ -7,7 +7,7 @@
   (the "rotate half" convention of Hugging Face checkpoints).
 - Attention with a key/value cache: :func:`attention_mask` (causal, padding, optional sliding
   window, over query and key *slots*), :func:`write_cache` (a traceable in-place write) and
-  :func:`attend` (``jax.nn.dot_product_attention`` with a boolean mask, so a GPU may use cuDNN).
+  :func:`attend` (cuDNN's fused attention on NVIDIA GPUs where the call allows it, XLA's elsewhere).
 
 Every function is independent of any one model family: they take plain numbers and arrays.
 Array layouts: activations ``[batch, time, heads, head_dim]``, caches ``[batch, slots,
@@ -23,6 +23,7 @@ from flax import nnx
 
 from ..errors import ConfigError
 from ..sharding.context import model_shards
+from .attention import dot_product_attention
 
 
 class RMSNorm(nnx.Module):
@@ -193,13 +194,17 @@ def write_cache(cache, new, index):
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
 
 
-def attend(q, k, v, mask, scale=None):
-    """Scaled dot-product attention ``[B, T, H, D]`` through ``jax.nn.dot_product_attention``.
+def attend(q, k, v, mask, scale=None, *, causal=False, window=None, implementation=None):
+    """Scaled dot-product attention ``[B, T, H, D]`` through the kernel
+    :mod:`redcoast.models.attention` chooses (cuDNN's fused attention on NVIDIA GPUs where the
+    call allows it, XLA's otherwise; ``implementation`` forces "xla" or "cudnn").
 
     ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention: each group of
-    ``H // KVH`` query heads shares one key/value head); ``mask`` as from :func:`attention_mask`.
-    Traced for more model shards than KV heads (``redcoast.sharding.context``), K/V are repeated
-    per query head so that attention splits over the query heads.
+    ``H // KVH`` query heads shares one key/value head); ``mask`` as from :func:`attention_mask`,
+    or None with ``causal`` (and ``window``) for unpadded causal attention without a cache,
+    which the kernel masks itself. Traced for more model shards than KV heads
+    (``redcoast.sharding.context``), K/V are repeated per query head so that attention splits
+    over the query heads.
     """
     k = k.astype(q.dtype)
     v = v.astype(q.dtype)
@@ -209,4 +214,5 @@ def attend(q, k, v, mask, scale=None):
         # repeated to one per query head (the plan keeps each KV head on the shards of its
         # query heads, or replicates the K/V projections; sharding/grouped_axes.py).
         k, v = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v))
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    return dot_product_attention(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
+                                 implementation=implementation)

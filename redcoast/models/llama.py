@@ -79,6 +79,7 @@ class LlamaConfig:
     model_type: str = "llama"
     dtype: Any = jnp.float32
     remat: bool = False
+    attention_implementation: str | None = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
         # Normalise to hashable values: the config is a static part of the module.
@@ -256,6 +257,10 @@ class LlamaAttention(nnx.Module):
         k = self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is None and key_valid is None:  # causal, unpadded: the kernel masks itself
+            y = attend(q, k, v, None, scale=c.head_dim ** -0.5, causal=True, window=self.window,
+                       implementation=c.attention_implementation)
+            return self.o_proj(y.reshape(b, t, c.num_attention_heads * c.head_dim)), cache
         query_slots = jnp.arange(t)
         if cache is not None:
             cache = {"k": write_cache(cache["k"], k, cache_index),
@@ -263,7 +268,8 @@ class LlamaAttention(nnx.Module):
             k, v = cache["k"], cache["v"]
             query_slots = query_slots + cache_index
         mask = attention_mask(query_slots, jnp.arange(k.shape[1]), key_valid, self.window)
-        y = attend(q, k, v, mask, scale=c.head_dim ** -0.5)
+        y = attend(q, k, v, mask, scale=c.head_dim ** -0.5,
+                   implementation=c.attention_implementation)
         return self.o_proj(y.reshape(b, t, c.num_attention_heads * c.head_dim)), cache
 
 
@@ -350,7 +356,7 @@ class LlamaForCausalLM(nnx.Module):
                 max_len = next(iter(cache["layers"].values()))["k"].shape[1]
                 attention_mask = jnp.ones((b, max_len), jnp.int32)
         elif attention_mask is None:
-            attention_mask = jnp.ones((b, t), jnp.int32)
+            # no padding: causal attention that the kernel masks itself (attention_mask stays None)
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         if positions is None:

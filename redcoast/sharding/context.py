@@ -1,9 +1,15 @@
-"""How many model shards the function being traced will run on.
+"""What the function being traced is laid out for.
 
 redcoast traces the user's loss or forward (for the plan, for the compiled step) inside
-:func:`laid_out_for`; a model may read :func:`model_shards` at trace time to choose the
-formulation that splits over that many shards (redcoast's own attention repeats K/V heads when
-there are more shards than KV heads). Outside redcoast's tracing it is 1.
+:func:`laid_out_for`. A model cannot be handed these facts through the user's ``loss_fn``, so it
+reads them at trace time:
+
+- :func:`model_shards`: how many model shards the program will be split over. redcoast's own
+  attention repeats K/V heads when there are more shards than KV heads. Outside redcoast's
+  tracing it is 1.
+- :func:`vendor_kernels`: whether the program may call vendor kernels (cuDNN's fused attention).
+  The data-flow analysis traces with False: it follows standard operations, so a model writes
+  the same computation with XLA's operations there. Outside redcoast's tracing it is True.
 """
 
 import contextlib
@@ -11,6 +17,7 @@ import contextvars
 import functools
 
 _MODEL_SHARDS = contextvars.ContextVar("redcoast_model_shards", default=1)
+_VENDOR_KERNELS = contextvars.ContextVar("redcoast_vendor_kernels", default=True)
 
 
 def model_shards():
@@ -18,20 +25,27 @@ def model_shards():
     return _MODEL_SHARDS.get()
 
 
+def vendor_kernels():
+    """Whether the function now being traced may call vendor kernels (default True)."""
+    return _VENDOR_KERNELS.get()
+
+
 @contextlib.contextmanager
-def tracing_for(n_model_shards):
-    """Within this block, :func:`model_shards` returns ``n_model_shards``."""
-    token = _MODEL_SHARDS.set(int(n_model_shards))
+def tracing_for(n_model_shards, vendor_kernels=True):
+    """Within this block, :func:`model_shards` returns ``n_model_shards`` and
+    :func:`vendor_kernels` returns ``vendor_kernels``."""
+    tokens = _MODEL_SHARDS.set(int(n_model_shards)), _VENDOR_KERNELS.set(bool(vendor_kernels))
     try:
         yield
     finally:
-        _MODEL_SHARDS.reset(token)
+        _VENDOR_KERNELS.reset(tokens[1])
+        _MODEL_SHARDS.reset(tokens[0])
 
 
-def laid_out_for(fn, n_model_shards):
-    """``fn``, traced (or run) with :func:`model_shards` returning ``n_model_shards``."""
+def laid_out_for(fn, n_model_shards, vendor_kernels=True):
+    """``fn``, traced (or run) inside :func:`tracing_for` with these arguments."""
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with tracing_for(n_model_shards):
+        with tracing_for(n_model_shards, vendor_kernels):
             return fn(*args, **kwargs)
     return wrapped

@@ -35,7 +35,7 @@ from . import kv_repeat
 from .auto import model_width
 from .context import laid_out_for
 from .grouped_axes import grouped
-from .jaxpr_tools import output_axes
+from .jaxpr_tools import output_axes, scan_operand_groups
 from .paths import leaves_in_written_order, leaves_with_paths
 from .rules import Placement
 
@@ -222,7 +222,13 @@ class _Analysis:
 
         for eqn in jaxpr.eqns:
             states = [read(v) for v in eqn.invars]
-            outs = self.eval_eqn(eqn, states)
+            try:
+                outs = self.eval_eqn(eqn, states)
+            except DataflowError:
+                raise
+            except Exception as e:  # noqa: BLE001 - named, then the caller keeps the shape rules
+                raise DataflowError(f"the analysis could not follow the operation "
+                                    f"'{eqn.primitive.name}' ({type(e).__name__}: {e})") from e
             for v, s in zip(eqn.outvars, outs):
                 env[v] = s
         return [read(v) for v in jaxpr.outvars]
@@ -750,7 +756,7 @@ class _Analysis:
 
     def op_scan(self, eqn, ins):
         p = eqn.params
-        nc, ncarry = p["num_consts"], p["num_carry"]
+        nc, ncarry, _ = scan_operand_groups(eqn)
         consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
         xs_in = []
         for s, v in zip(xs, eqn.invars[nc + ncarry:]):
@@ -882,7 +888,7 @@ def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_head
                           "replicated (one model shard)") for path, x in leaves]
     flat = leaves_with_paths(params)
     try:
-        closed = jax.make_jaxpr(laid_out_for(fn, n))(_abstract(params), *_abstract(example_args))
+        closed = jax.make_jaxpr(laid_out_for(fn, n, vendor_kernels=False))(_abstract(params), *_abstract(example_args))
     except Exception as e:  # noqa: BLE001 - any tracing failure means: use the structural rules
         raise DataflowError(f"could not trace the model: {type(e).__name__}: {e}") from e
     shapes = [tuple(np.shape(x)) for _, x in flat]
@@ -908,6 +914,9 @@ def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_head
     return out
 
 
+FALLBACK = "shapes and order only"  # how traced_placements names the fallback plan's source
+
+
 def traced_placements(fn, params, *example_args, n_model_shards, group_kv_heads=True):
     """``(placements, where they came from)`` by :func:`dataflow_placements`, or ``(None, why
     not)`` when the analysis cannot follow ``fn`` (the caller then keeps the shape rules)."""
@@ -915,4 +924,4 @@ def traced_placements(fn, params, *example_args, n_model_shards, group_kv_heads=
         return (dataflow_placements(fn, params, *example_args, n_model_shards=n_model_shards,
                                     group_kv_heads=group_kv_heads), "the traced data flow")
     except Exception as e:  # noqa: BLE001 - any program the analysis cannot follow
-        return None, f"shapes and order only (the data-flow analysis failed: {type(e).__name__}: {e})"
+        return None, f"{FALLBACK} (the data-flow analysis failed: {type(e).__name__}: {e})"

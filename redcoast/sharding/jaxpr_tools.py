@@ -1,5 +1,6 @@
 """Small facts about traced programs shared by the data-flow analysis and the rewrites."""
 
+import jax
 from jax.extend import core as jcore
 
 
@@ -37,3 +38,27 @@ def read_once(v, reads):
     :func:`readers`)."""
     found = reads.get(v, ())
     return len(found) == 1 and found[0] is not None
+
+
+def scan_operand_groups(eqn):
+    """``(n_consts, n_carry, n_xs)``: how a ``scan`` equation's operands split into loop
+    constants, carried values and scanned inputs.
+
+    Where JAX keeps this changed: jax <= 0.10 names ``num_consts`` / ``num_carry``; jax 0.11 on
+    keeps the three groups as one flat tree, ``ft_in``. Anything else fails loudly (a JAX
+    redcoast does not know yet) rather than letting the analysis guess.
+    """
+    params, n = eqn.params, len(eqn.invars)
+    if "num_consts" in params and "num_carry" in params:
+        groups = (params["num_consts"], params["num_carry"],
+                  n - params["num_consts"] - params["num_carry"])
+    elif "ft_in" in params and hasattr(params["ft_in"], "unpack"):
+        groups = tuple(len(group) for group in params["ft_in"].unpack())
+    else:
+        groups = None
+    if groups is None or len(groups) != 3 or sum(groups) != n or min(groups) < 0:
+        raise NotImplementedError(
+            f"this JAX ({jax.__version__}) describes a scan's operands with parameters "
+            f"{sorted(params)}, which redcoast cannot read; redcoast needs an update for it "
+            "(sharding/jaxpr_tools.scan_operand_groups).")
+    return groups

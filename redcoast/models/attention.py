@@ -1,0 +1,96 @@
+"""Which kernel computes one attention call: cuDNN's fused (flash) attention or XLA's.
+
+``jax.nn.dot_product_attention`` with no ``implementation`` runs XLA's unfused attention on every
+platform, GPUs included. redcoast chooses per call, at trace time, from what the call looks like:
+cuDNN where the device, dtype, head size and mask allow it, XLA otherwise.
+:func:`choose_implementation` is that decision, as a pure function of the call's facts, so it
+can be tested anywhere; :func:`dot_product_attention` applies it.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import ConfigError
+from ..sharding.context import vendor_kernels
+
+IMPLEMENTATIONS = (None, "xla", "cudnn")  # None: chosen per call
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The kernel chosen for one call, and why (readable in logs and tests)."""
+
+    implementation: str  # "xla" or "cudnn"
+    reason: str
+
+
+def cuda_capability(device=None):
+    """``(major, minor)`` compute capability of a CUDA device (by default the first device of
+    the default backend), or None for any other device."""
+    device = device or jax.devices()[0]
+    value = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    if not value:
+        return None
+    major, minor = str(value).split(".")[:2]
+    return int(major), int(minor)
+
+
+def choose_implementation(q_shape, kv_shape, dtype, *, has_mask, capability, requested=None):
+    """The kernel for attention of ``q [B, T, N, H]`` over ``k/v [B, S, K, H]`` in ``dtype``.
+
+    ``has_mask``: an explicit mask or bias is applied (cuDNN adds it as a bias); a causal or
+    windowed call without one is handled by cuDNN natively. ``capability``: the device's CUDA
+    compute capability (:func:`cuda_capability`), None for CPU, TPU and other GPUs.
+    ``requested``: None to choose, or "xla" / "cudnn" to force one.
+    """
+    if requested not in IMPLEMENTATIONS:
+        raise ConfigError(f"attention_implementation={requested!r}; use one of {IMPLEMENTATIONS} "
+                          "(None chooses per call).")
+    if requested == "xla":
+        return Choice("xla", "forced by attention_implementation='xla'")
+    if requested == "cudnn":
+        if capability is None:
+            raise ConfigError("attention_implementation='cudnn' needs an NVIDIA GPU; this device "
+                              "has none. Fix: leave attention_implementation=None (redcoast "
+                              "chooses per call) or use 'xla'.")
+        return Choice("cudnn", "forced by attention_implementation='cudnn'")
+    t, head_dim = q_shape[1], q_shape[-1]
+    s = kv_shape[1]
+    if capability is None:
+        return Choice("xla", "not an NVIDIA GPU (cuDNN attention runs on CUDA devices only)")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return Choice("xla", f"{jnp.dtype(dtype).name} inputs (cuDNN's fused attention takes "
+                             "bfloat16 or float16)")
+    max_head_dim = 256 if capability >= (9, 0) else 128
+    if head_dim % 8 or head_dim > max_head_dim or kv_shape[-1] != head_dim:
+        return Choice("xla", f"head size {head_dim} (cuDNN needs a multiple of 8 up to "
+                             f"{max_head_dim}, the same for keys and values)")
+    if t == 1:
+        return Choice("xla", "one query per row (a decoding step: nothing to fuse)")
+    if has_mask and (t % 2 or s % 2):
+        return Choice("xla", f"a mask with odd lengths {t}x{s} (cuDNN's masked kernel needs even "
+                             "ones)")
+    return Choice("cudnn", f"{jnp.dtype(dtype).name}, head size {head_dim}, "
+                           f"{'masked' if has_mask else 'causal or unmasked'}")
+
+
+def dot_product_attention(q, k, v, *, mask=None, causal=False, window=None, scale=None,
+                          implementation=None):
+    """Attention of ``q [B, T, N, H]`` over ``k, v [B, S, K, H]`` (``N`` a multiple of ``K``)
+    through the kernel :func:`choose_implementation` picks.
+
+    ``mask``: boolean, broadcastable to ``[B, N, T, S]``, True where a query may attend.
+    ``causal``: query ``t`` sees keys ``<= t`` (T == S, aligned); ``window``: and only the
+    ``window`` latest of them. Both are handled inside the kernel, with no mask in memory.
+    """
+    if vendor_kernels():
+        choice = choose_implementation(q.shape, k.shape, q.dtype, has_mask=mask is not None,
+                                       capability=cuda_capability(), requested=implementation)
+    else:  # traced for the data-flow analysis, which follows standard operations only
+        choice = Choice("xla", "traced for redcoast's data-flow analysis")
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
+                                        local_window_size=local,
+                                        implementation=choice.implementation)

@@ -1,0 +1,115 @@
+"""The attention kernel chosen per call, and the numerics of the paths that run here."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from redcoast.errors import ConfigError
+from redcoast.models import Model
+from redcoast.models.attention import choose_implementation, cuda_capability
+from redcoast.models.layers import attend, attention_mask
+from redcoast.models.llama import LlamaConfig, LlamaForCausalLM
+from redcoast.sharding.context import laid_out_for
+
+BF16, F32, F16 = jnp.bfloat16, jnp.float32, jnp.float16
+H100, A100 = (9, 0), (8, 0)
+
+
+def q_kv(t=128, s=None, heads=8, kv_heads=2, head_dim=64):
+    return (4, t, heads, head_dim), (4, s or t, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("shapes,dtype,has_mask,capability,want", [
+    (q_kv(), BF16, False, H100, "cudnn"),                    # causal training step on a GPU
+    (q_kv(), F16, True, A100, "cudnn"),                      # padded, even lengths
+    (q_kv(), BF16, False, None, "xla"),                      # CPU / TPU / non-NVIDIA
+    (q_kv(), F32, False, H100, "xla"),                       # cuDNN's flash kernel: 16-bit only
+    (q_kv(head_dim=72), BF16, False, A100, "cudnn"),         # a multiple of 8
+    (q_kv(head_dim=100), BF16, False, H100, "xla"),          # not a multiple of 8
+    (q_kv(head_dim=256), BF16, False, A100, "xla"),          # > 128 before Hopper
+    (q_kv(head_dim=256), BF16, False, H100, "cudnn"),        # up to 256 on Hopper
+    (q_kv(t=1, s=512), BF16, True, H100, "xla"),             # a decoding step
+    (q_kv(t=127), BF16, True, H100, "xla"),                  # masked with odd lengths
+    (q_kv(t=127), BF16, False, H100, "cudnn"),               # odd lengths, causal in the kernel
+])
+def test_choice_per_call(shapes, dtype, has_mask, capability, want):
+    choice = choose_implementation(*shapes, dtype, has_mask=has_mask, capability=capability)
+    assert choice.implementation == want, choice.reason
+    assert choice.reason
+
+
+def test_forced_choice_and_bad_names():
+    shapes = q_kv()
+    assert choose_implementation(*shapes, F32, has_mask=False, capability=H100,
+                                 requested="cudnn").implementation == "cudnn"
+    assert choose_implementation(*shapes, BF16, has_mask=False, capability=H100,
+                                 requested="xla").implementation == "xla"
+    with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+        choose_implementation(*shapes, BF16, has_mask=False, capability=None, requested="cudnn")
+    with pytest.raises(ConfigError, match="use one of"):
+        choose_implementation(*shapes, BF16, has_mask=False, capability=H100, requested="flash")
+
+
+def test_this_machine_has_no_cuda_device():
+    # the test suite runs on CPU devices: every call takes XLA's path here
+    if jax.devices()[0].platform == "cpu":
+        assert cuda_capability() is None
+
+
+def _qkv(seed=0, t=12, heads=4, kv_heads=2, head_dim=8, dtype=F32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (2, t, heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (2, t, kv_heads, head_dim), dtype)
+    v = jax.random.normal(keys[2], (2, t, kv_heads, head_dim), dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_causal_flag_equals_the_explicit_mask(window):
+    q, k, v = _qkv()
+    slots = jnp.arange(q.shape[1])
+    mask = attention_mask(slots, slots, jnp.ones((2, q.shape[1]), jnp.int32), window)
+    want = attend(q, k, v, mask, scale=0.3)
+    got = attend(q, k, v, None, scale=0.3, causal=True, window=window)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_llama_without_a_mask_equals_an_all_ones_mask():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+                         model_type="mistral")
+    model = Model(LlamaForCausalLM, config)
+    params = model.init(0)
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, 64)
+    unmasked = model.apply(params, ids)
+    masked = model.apply(params, ids, attention_mask=jnp.ones_like(ids))
+    np.testing.assert_array_equal(np.asarray(unmasked), np.asarray(masked))
+
+
+def test_the_analysis_traces_xla_even_where_cudnn_is_forced():
+    # The data-flow analysis follows standard operations: a model forced onto cuDNN is traced
+    # there with XLA's attention (on a CPU, cuDNN would be refused outright).
+    q, k, v = _qkv()
+    forced = lambda q, k, v: attend(q, k, v, None, causal=True, implementation="cudnn")  # noqa: E731
+    jaxpr = jax.make_jaxpr(laid_out_for(forced, 2, vendor_kernels=False))(q, k, v)
+    assert "dot_general" in str(jaxpr)
+    if cuda_capability() is None:
+        with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+            jax.make_jaxpr(forced)(q, k, v)
+
+
+@pytest.mark.skipif(cuda_capability() is None, reason="cuDNN attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("masked", [False, True])
+def test_cudnn_matches_xla_on_a_gpu(masked):
+    q, k, v = _qkv(t=128, head_dim=64, dtype=BF16)
+    mask = None
+    if masked:
+        valid = jnp.ones((2, 128), jnp.int32).at[1, :17].set(0)  # a left-padded row
+        slots = jnp.arange(128)
+        mask = attention_mask(slots, slots, valid)
+    run = lambda impl: attend(q, k, v, mask, causal=not masked, implementation=impl)  # noqa: E731
+    want = jax.jit(lambda: run("xla"))().astype(F32)
+    got = jax.jit(lambda: run("cudnn"))().astype(F32)
+    # bf16 inputs, different summation order: bf16's resolution (2^-8) on values of size ~1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2, rtol=2e-2)
