@@ -16,6 +16,10 @@ from .errors import LossError
 from .sharding.fusion import fuse_sibling_matmuls
 
 
+# optax.tree.norm replaced optax.global_norm (deprecated since optax 0.2.5)
+_tree_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
+
+
 def cast_floating(tree, dtype):
     """Cast floating-point leaves to ``dtype``; integer leaves are left alone."""
     if dtype is None:
@@ -56,7 +60,8 @@ def split_loss_output(output):
 
 
 def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
-                    fuse_for_model_shards=None, split_weights=None, mesh=None):
+                    fuse_for_model_shards=None, split_weights=None, mesh=None,
+                    log_grad_norm=False):
     """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
 
     With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
@@ -66,7 +71,8 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
     one, so that under tensor parallelism the backward pass all-reduces their input gradient
     once, as Megatron-LM does; ``split_weights`` (from ``split_weight_axes(plan.placements)``)
     limits that to the weights the plan splits; ``mesh`` lets the rewrite pin the gates of split
-    MoE experts replicated.
+    MoE experts replicated. ``log_grad_norm`` adds the global norm of the (averaged) gradient
+    to the metrics as ``grad_norm``.
     """
     def training_loss(p, batch, rng, state):
         return loss_fn(rng, state, cast_floating(p, compute_dtype), batch, True)
@@ -122,7 +128,14 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
                               state.step, state.nonfinite_step)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   nonfinite_step=first_bad)
-        return new_state, {"loss": loss, **metrics}
+        metrics = {"loss": loss, **metrics}
+        if log_grad_norm:
+            if "grad_norm" in metrics:
+                raise LossError("loss_fn returned a metric named 'grad_norm', which "
+                                "log_grad_norm=True reserves for the gradient's norm. Fix: rename "
+                                "that metric.")
+            metrics["grad_norm"] = _tree_norm(grads).astype(jnp.float32)
+        return new_state, metrics
 
     return step
 

@@ -20,6 +20,7 @@ from .preemption import PreemptionGuard
 from .sharding.context import laid_out_for
 from .sharding.dataflow import FALLBACK, traced_placements
 from .sharding.fusion import split_weight_axes
+from .throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
 
@@ -37,11 +38,16 @@ class Trainer:
     as one, so the step moves Megatron-LM's bytes between model shards; None (default) does so on
     accelerators and not on CPU devices, whose collectives are memory copies that cost less than
     the fused weights' copies (measured: +7% step time on 8 simulated CPU devices).
+    ``log_grad_norm`` logs the global norm of each update's gradient as ``train_grad_norm``.
+    Logged throughput: ``train_step_time_s``, ``train_examples_per_s``, ``train_tokens_per_s``
+    (where the batch has integer ``[batch, sequence]`` arrays) and ``train_mfu`` (XLA's FLOPs of
+    the compiled step over the device's peak; "n/a" where the peak is unknown, e.g. on CPUs).
     """
 
     def __init__(self, deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
-                 compute_dtype=jnp.float32, train_step_fn=None, fsdp=True, fuse_matmuls=None):
+                 compute_dtype=jnp.float32, train_step_fn=None, fsdp=True, fuse_matmuls=None,
+                 log_grad_norm=True):
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                               "positive integer.")
@@ -57,6 +63,7 @@ class Trainer:
         self.params_sharding_rules = params_sharding_rules
         self.train_step_fn = train_step_fn
         self.fsdp = bool(fsdp)
+        self.log_grad_norm = bool(log_grad_norm)
         self.fuse_matmuls = (jax.devices()[0].platform != "cpu" if fuse_matmuls is None
                              else bool(fuse_matmuls))
         # A first plan from the shapes alone, so the parameters are placed (and trainer.params
@@ -82,6 +89,7 @@ class Trainer:
 
     def _compile_steps(self):
         """The jitted train and eval steps for the current plan (compiled at their first call)."""
+        self._step_costs = {}  # batch shapes -> StepCost, for the steps compiled here
         mesh = self.deployer.mesh
         s = self._state
         self._state_shardings = TrainState(
@@ -94,7 +102,8 @@ class Trainer:
             loss_fn, self.compute_dtype, self.accumulate_grad_batches,
             grad_shardings=self._state_shardings.params,
             fuse_for_model_shards=self.deployer.n_model_shards if self.fuse_matmuls else None,
-            split_weights=split_weight_axes(self.plan.placements), mesh=mesh)
+            split_weights=split_weight_axes(self.plan.placements), mesh=mesh,
+            log_grad_norm=self.log_grad_norm)
         batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(
             step_fn,
@@ -273,9 +282,7 @@ class Trainer:
                 else:
                     timed += 1
                 if len(pending) == log_every_n_steps or position == n_steps:
-                    elapsed = time.perf_counter() - since
-                    rate = timed * per_update / elapsed if timed and elapsed > 0 else None
-                    self._log_train(pending, rate, bar)
+                    self._log_train(pending, bar, batch, timed, since)
                     pending, timed, since = [], 0, time.perf_counter()
                 bar.update(1)
                 if after_step is not None and after_step(position):
@@ -290,18 +297,47 @@ class Trainer:
         if bad_step >= 0:
             raise NonFiniteLossError(_nonfinite_message(bad_step, "NaN or inf"))
 
-    def _log_train(self, pending, examples_per_s, bar):
-        """Pull the metrics of the last few steps (one host sync), check them, log them."""
+    def _log_train(self, pending, bar, batch, timed, since):
+        """Pull the metrics of the last few steps (one host sync), check them, log them with
+        the throughput of the ``timed`` steps run since ``since`` (timed after that sync, so
+        the window holds their execution, not only their dispatch)."""
         history, bad_step = to_host((pending, self._state.nonfinite_step))
+        elapsed = time.perf_counter() - since
         if bad_step >= 0:
             raise NonFiniteLossError(_nonfinite_message(int(bad_step), _describe_nonfinite(history)))
         means = {k: float(np.mean([m[k] for m in history])) for k in history[-1]}
         if self.lr_schedule_fn is not None:
             means["lr"] = float(self.lr_schedule_fn(self._host_step - 1))
-        if examples_per_s is not None:  # unknown when the window held only the compiling step
-            means["examples_per_s"] = examples_per_s
-        bar.set_postfix({k: f"{v:.4g}" for k, v in means.items()}, refresh=False)
+        if timed and elapsed > 0:  # none when the window held only the compiling step
+            means.update(self._step_cost(batch).rates(timed, elapsed))
+        bar.set_postfix({k: v if isinstance(v, str) else f"{v:.4g}" for k, v in means.items()},
+                        refresh=False)
         self.deployer.log_metrics({f"train_{k}": v for k, v in means.items()}, self._host_step)
+
+    def _step_cost(self, batch):
+        """What one update of batches shaped like ``batch`` processes and costs: read once per
+        compiled step (lowering and compiling again after the step ran is a cache hit)."""
+        key = jax.tree_util.tree_structure(batch), tuple(
+            (x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch))
+        if key in self._step_costs:
+            return self._step_costs[key]
+        k = self.accumulate_grad_batches
+        leaves = jax.tree_util.tree_leaves(batch)
+        examples = leaves[0].shape[1 if k > 1 else 0] * k
+        micro = batch if k == 1 else jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+        per_example = tokens_per_example(micro)
+        device = jax.devices()[0]
+        compiled = self._train_step.lower(self._state, batch, self._train_rng).compile()
+        cost = StepCost(examples=examples,
+                        tokens=None if per_example is None else per_example * examples,
+                        flops_per_device=compiled_flops(compiled),
+                        peak_flops=peak_flops(device, self.compute_dtype))
+        why_not = cost.mfu_unknown_reason(device, self.compute_dtype)
+        if why_not and not self._step_costs:  # said once
+            self.deployer.log_info(f"MFU: n/a ({why_not}).")
+        self._step_costs[key] = cost
+        return cost
 
     def _evaluate(self, examples, per_device_batch_size, desc=None):
         """Means over examples of the loss and metrics, every example counted exactly once."""
