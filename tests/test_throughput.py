@@ -93,3 +93,17 @@ def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path):
     grads = jax.grad(lambda p: loss_fn(jax.random.PRNGKey(0), state, p, batch, True)[0])(params)
     np.testing.assert_allclose(first["train_grad_norm"], float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree_util.tree_leaves(grads)))),
                                rtol=1e-5)
+
+
+def test_throughput_logging_pulls_nothing_beyond_the_metrics(monkeypatch):
+    import redcoast.trainer as trainer_module
+
+    pulls = []
+    real = trainer_module.to_host
+    monkeypatch.setattr(trainer_module, "to_host", lambda tree: pulls.append(1) or real(tree))
+    model, params = make_model()
+    trainer = Trainer(Deployer(jax_seed=0, n_model_shards=2, verbose=False), collate_fn,
+                      model.apply, loss_fn, params, optax.sgd(0.1))
+    trainer.train(make_examples(4 * 2 * 8), per_device_batch_size=2, shuffle=False,
+                  log_every_n_steps=4)
+    assert len(pulls) == 2  # one per logging window of 4 updates: the metrics' own
