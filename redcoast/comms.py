@@ -63,9 +63,10 @@ def _parse_groups(line):
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}", line)
     if m:  # mesh['a'=2,'b'=4] {'a'}: groups along the named axes of a device mesh, row-major
         # unless device_ids gives the device at each position (an iota [dims]T(perm) or a list)
-        axes = re.findall(r"'?([\w]+)'?\s*=\s*(\d+)", m.group(1))
+        # names may be quoted and hold ':' or '/' (redcoast's grouped axes: 'mp:2/within')
+        axes = re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        along = [names.index(a) for a in re.findall(r"'?([\w]+)'?", m.group(3))]
+        along = [names.index(a) for a in re.findall(r"'?([^',\s]+)'?", m.group(3))]
         ids = _device_ids(m.group(2), int(np.prod(sizes))).reshape(sizes)
         rest = [i for i in range(len(sizes)) if i not in along]
         g = int(np.prod([sizes[i] for i in along])) if along else 1

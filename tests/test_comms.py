@@ -126,3 +126,17 @@ def test_mesh_groups_with_permuted_device_ids():
     assert _classify(groups, {"dp": 2, "mp": 4}, "all-gather") == "mp"
     listed = line.replace("([2,2,2]T(1,0,2))", "(0,1,4,5,2,3,6,7)")  # the same order, listed
     assert _parse_groups(listed) == groups
+
+
+def test_mesh_groups_over_redcoasts_grouped_axis_names():
+    # jax 0.12 prints the mesh of a sharding over grouped axes with their own names, which hold
+    # ':' and '/' (K/V kept by groups of shards: the 'mp' devices viewed as groups x within)
+    from redcoast.comms import _classify, _parse_groups
+    mesh = "replica_groups=mesh['dp'=2,'mp:2'=2,'mp:2/within'=2] "
+    line = ("%all-reduce.7 = f32[4,8]{1,0} all-reduce(%w), channel_id=15, " + mesh
+            + "{GROUPS}, use_global_device_ids=true").replace
+    both = _parse_groups(line("GROUPS", "'mp:2','mp:2/within'"))
+    assert both == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _classify(both, {"dp": 2, "mp": 4}, "all-reduce") == "mp"
+    assert _parse_groups(line("GROUPS", "'mp:2/within'")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _parse_groups(line("GROUPS", "'mp:2'")) == [[0, 2], [1, 3], [4, 6], [5, 7]]

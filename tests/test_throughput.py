@@ -69,7 +69,8 @@ def test_rates_of_a_step_cost():
 def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path):
     model, params = make_model()
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(tmp_path), verbose=False)
-    trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.sgd(0.1))
+    trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.sgd(0.1),
+                      log_grad_norm=True)
     examples = make_examples(4 * 8 * 4)  # 4 updates of 4 examples per data shard
     trainer.fit(examples, per_device_batch_size=8, n_epochs=1, shuffle=False,
                 log_every_n_steps=1)
