@@ -18,6 +18,7 @@ class RunLogger:
 
     def __init__(self, workdir=None, verbose=True, run_tensorboard=False, wandb_init_kwargs=None):
         self.workdir = workdir
+        self.verbose = verbose
         self.enabled = jax.process_index() == 0
         self._tb = None
         self._wandb = None
@@ -64,8 +65,11 @@ class RunLogger:
             self._logger.info(line)
 
     def warning(self, text):
-        if self.enabled:
-            self._logger.warning(f"WARNING: {text}")
+        if not self.enabled:
+            return
+        self._logger.warning(f"WARNING: {text}")
+        if not self.verbose:  # a warning changes what the run does: said even when quiet
+            print(f"[redcoast] WARNING: {text}", file=sys.stderr, flush=True)
 
     def metrics(self, metrics, step):
         """Record a dict of scalars at ``step`` in every enabled sink."""
