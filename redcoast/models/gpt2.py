@@ -18,15 +18,7 @@ from jax import lax
 
 from ..errors import ConfigError
 from . import hf
-
-ACTIVATIONS = {
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
-
+from .activations import activation
 
 @dataclass(frozen=True)
 class Config:
@@ -46,9 +38,7 @@ class Config:
     remat: bool = False
 
     def __post_init__(self):
-        if self.activation_function not in ACTIVATIONS:
-            raise ConfigError(f"activation_function {self.activation_function!r} is not "
-                              f"supported; use one of {sorted(ACTIVATIONS)}.")
+        activation(self.activation_function, "activation_function")  # fail early if unknown
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}.")
 
@@ -135,7 +125,7 @@ class MLP(nnx.Module):
         self.c_proj = _linear(config.inner_size, config.n_embd, config, param_dtype, rngs)
 
     def __call__(self, x):
-        return self.c_proj(ACTIVATIONS[self.config.activation_function](self.c_fc(x)))
+        return self.c_proj(activation(self.config.activation_function)(self.c_fc(x)))
 
 
 class Block(nnx.Module):

@@ -28,6 +28,8 @@ FAMILIES = {
     "gpt2": "redcoast.models.gpt2",
     "bert": "redcoast.models.bert",
     "t5": "redcoast.models.t5",
+    "gptj": "redcoast.models.gptj",
+    "opt": "redcoast.models.opt",
 }
 
 
