@@ -30,6 +30,7 @@ FAMILIES = {
     "t5": "redcoast.models.t5",
     "gptj": "redcoast.models.gptj",
     "opt": "redcoast.models.opt",
+    "bart": "redcoast.models.bart",
 }
 
 
