@@ -14,6 +14,7 @@ ACTIVATIONS = {
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
+    "tanh": jax.numpy.tanh,  # ViT's pooler
 }
 
 

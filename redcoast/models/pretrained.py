@@ -31,6 +31,8 @@ FAMILIES = {
     "gptj": "redcoast.models.gptj",
     "opt": "redcoast.models.opt",
     "bart": "redcoast.models.bart",
+    "vit": "redcoast.models.vit",
+    "vision-encoder-decoder": "redcoast.models.vision_encoder_decoder",
 }
 
 
