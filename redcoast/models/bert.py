@@ -15,18 +15,10 @@ from flax import nnx
 
 from ..errors import ConfigError
 from . import hf
+from .activations import activation
 from .layers import attend
 
 _NOT_IN_HF = ("dtype", "remat", "attention_implementation")  # run settings, not the model's
-
-ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # the erf form, as in BERT's checkpoints
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-}
 
 
 @dataclass(frozen=True)
@@ -48,9 +40,7 @@ class Config:
     attention_implementation: Any = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
-        if self.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; use one of "
-                              f"{sorted(ACTIVATIONS)}.")
+        activation(self.hidden_act, "hidden_act")  # fail early if unknown
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"hidden_size {self.hidden_size} is not a multiple of "
                               f"num_attention_heads {self.num_attention_heads}.")
@@ -127,7 +117,7 @@ class BertLayer(nnx.Module):
         a = attend(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)), mask,
                    implementation=self.config.attention_implementation)
         x = self.attn_norm(x + self.attn_out(a.reshape(b, t, -1)))
-        h = self.ffn_out(ACTIVATIONS[self.config.hidden_act](self.ffn_in(x)))
+        h = self.ffn_out(activation(self.config.hidden_act)(self.ffn_in(x)))
         return self.ffn_norm(x + h)
 
 

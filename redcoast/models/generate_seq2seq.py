@@ -37,8 +37,8 @@ def seq2seq_step(model):
 
 def _generate(model, cfg, start_id, params, input_ids, attention_mask, rng):
     batch = input_ids.shape[0]
-    if attention_mask is None:
-        attention_mask = jnp.ones_like(input_ids)
+    if attention_mask is None:  # (for images, [B, C]: unused by vision encoders)
+        attention_mask = jnp.ones(input_ids.shape[:2], jnp.int32)
     attention_mask = attention_mask.astype(jnp.int32)
     encoder_hidden = model.apply(params, input_ids, attention_mask, method="encode")
     extra = {"cross_kv": model.apply(params, encoder_hidden, method="cross_kv"),
@@ -82,9 +82,11 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     if cfg.do_sample and rng is None:
         raise ConfigError("do_sample=True needs rng=<a jax.random key> (a Predictor's pred_fn "
                           "receives one as its first argument).")
-    if np.ndim(input_ids) != 2:
-        raise DataError(f"input_ids has shape {np.shape(input_ids)}; generate expects [batch, "
-                        "input length].")
+    input_ndim = getattr(config, "input_ndim", 2)  # 4: images [B, C, H, W] (vision encoders)
+    if np.ndim(input_ids) != input_ndim:
+        raise DataError(f"input_ids has shape {np.shape(input_ids)}; generate expects "
+                        + ("[batch, input length]." if input_ndim == 2 else
+                           f"{input_ndim} dimensions (pixel_values [batch, channels, height, width])."))
     if attention_mask is not None and np.shape(attention_mask) != np.shape(input_ids):
         raise DataError(f"attention_mask has shape {np.shape(attention_mask)}, input_ids "
                         f"{np.shape(input_ids)}; they must match.")

@@ -18,17 +18,10 @@ from jax import lax
 
 from ..errors import ConfigError
 from . import hf
+from .activations import activation
 from .layers import attend
 
 _NOT_IN_HF = ("dtype", "remat", "attention_implementation")  # run settings, not the model's
-
-ACTIVATIONS = {
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
 
 
 @dataclass(frozen=True)
@@ -43,6 +36,7 @@ class Config:
     layer_norm_epsilon: float = 1e-5
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
+    add_cross_attention: bool = False  # a decoder of a VisionEncoderDecoderModel
     bos_token_id: Any = 50256
     eos_token_id: Any = 50256
     dtype: Any = jnp.float32
@@ -50,9 +44,7 @@ class Config:
     attention_implementation: Any = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
-        if self.activation_function not in ACTIVATIONS:
-            raise ConfigError(f"activation_function {self.activation_function!r} is not "
-                              f"supported; use one of {sorted(ACTIVATIONS)}.")
+        activation(self.activation_function, "activation_function")  # fail early if unknown
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}.")
 
@@ -76,7 +68,8 @@ class Config:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in _NOT_IN_HF}
         return {**d, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                "tie_word_embeddings": True}
+                "tie_word_embeddings": True,
+                **({"is_decoder": True} if self.add_cross_attention else {})}
 
 
 def _normal():
@@ -97,18 +90,42 @@ def _linear(n_in, n_out, config, param_dtype, rngs):
 class FusedQKV(nnx.Module):
     """x [B, T, hidden] -> q, k, v [B, T, heads, head_dim] from one (hidden, 3, hidden) kernel."""
 
-    def __init__(self, config, *, rngs, param_dtype=jnp.float32):
+    def __init__(self, config, *, rngs, param_dtype=jnp.float32, parts=3):
         self.config = config
+        self.parts = parts  # 3: Q, K, V; 2: K, V (cross-attention)
         h = config.n_embd
-        self.kernel = nnx.Param(_normal()(rngs.params(), (h, 3, h), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((3, h), param_dtype))
+        self.kernel = nnx.Param(_normal()(rngs.params(), (h, parts, h), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((parts, h), param_dtype))
 
     def __call__(self, x):
         c = self.config
         qkv = jnp.einsum("btd,dce->btce", x.astype(c.dtype), self.kernel[...].astype(c.dtype))
         qkv = qkv + self.bias[...].astype(c.dtype)
-        qkv = qkv.reshape(*x.shape[:2], 3, c.n_head, c.head_dim)
-        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        qkv = qkv.reshape(*x.shape[:2], self.parts, c.n_head, c.head_dim)
+        return tuple(qkv[:, :, i] for i in range(self.parts))
+
+
+class CrossAttention(nnx.Module):
+    """Attention of the text to an encoder's output: queries from ``q_attn``, keys and values
+    from ``c_attn``, one (hidden, 2, hidden) kernel split by heads like the fused Q/K/V."""
+
+    def __init__(self, config, layer_idx, *, rngs, param_dtype=jnp.float32):
+        self.config = config
+        h = config.n_embd
+        self.q_attn = _linear(h, h, config, param_dtype, rngs)
+        self.c_attn = FusedQKV(config, rngs=rngs, param_dtype=param_dtype, parts=2)
+        self.c_proj = _linear(h, h, config, param_dtype, rngs)
+        self.scale = Attention.attention_scale(config, layer_idx)
+
+    def kv(self, encoder_hidden):
+        """Keys and values [B, S, heads, head_dim] of the encoder output."""
+        return self.c_attn(encoder_hidden)
+
+    def __call__(self, x, k, v, mask):
+        c = self.config
+        q = self.q_attn(x).reshape(*x.shape[:2], c.n_head, c.head_dim)
+        a = attend(q, k, v, mask, scale=self.scale, implementation=c.attention_implementation)
+        return self.c_proj(a.reshape(*x.shape[:2], -1))
 
 
 class Attention(nnx.Module):
@@ -116,11 +133,15 @@ class Attention(nnx.Module):
         self.config = config
         self.c_attn = FusedQKV(config, rngs=rngs, param_dtype=param_dtype)
         self.c_proj = _linear(config.n_embd, config.n_embd, config, param_dtype, rngs)
+        self.scale = self.attention_scale(config, layer_idx)
+        self.implementation = config.attention_implementation
+
+    @staticmethod
+    def attention_scale(config, layer_idx):
         scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scale /= layer_idx + 1
-        self.scale = scale
-        self.implementation = config.attention_implementation
+        return scale
 
     def __call__(self, x, mask, cache=None, cache_index=None):
         q, k, v = self.c_attn(x)
@@ -142,25 +163,36 @@ class MLP(nnx.Module):
         self.c_proj = _linear(config.inner_size, config.n_embd, config, param_dtype, rngs)
 
     def __call__(self, x):
-        return self.c_proj(ACTIVATIONS[self.config.activation_function](self.c_fc(x)))
+        return self.c_proj(activation(self.config.activation_function)(self.c_fc(x)))
 
 
 class Block(nnx.Module):
     def __init__(self, config, layer_idx, *, rngs, param_dtype=jnp.float32):
         self.ln_1 = _layer_norm(config, param_dtype, rngs)
         self.attn = Attention(config, layer_idx, rngs=rngs, param_dtype=param_dtype)
+        if config.add_cross_attention:
+            self.ln_cross_attn = _layer_norm(config, param_dtype, rngs)
+            self.crossattention = CrossAttention(config, layer_idx, rngs=rngs,
+                                                 param_dtype=param_dtype)
         self.ln_2 = _layer_norm(config, param_dtype, rngs)
         self.mlp = MLP(config, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, mask, cache=None, cache_index=None):
+    def __call__(self, x, mask, cache=None, cache_index=None, cross_kv=None, cross_mask=None):
         a, cache = self.attn(self.ln_1(x), mask, cache, cache_index)
         x = x + a
+        if cross_kv is not None:
+            x = x + self.crossattention(self.ln_cross_attn(x), cross_kv["k"], cross_kv["v"],
+                                        cross_mask)
         return x + self.mlp(self.ln_2(x)), cache
 
 
 class GPT2LMHeadModel(nnx.Module):
     """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None)`` ->
-    logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache (see ``init_cache``)."""
+    logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache (see ``init_cache``).
+
+    With ``add_cross_attention`` (the text decoder of a VisionEncoderDecoderModel) every block
+    also attends to an encoder's output: pass ``cross_kv`` (from :meth:`cross_kv`) and
+    optionally ``cross_mask`` [B, 1, 1, S]."""
 
     def __init__(self, config, *, rngs, param_dtype=jnp.float32):
         self.config = config
@@ -183,8 +215,15 @@ class GPT2LMHeadModel(nnx.Module):
         return {"layers": {str(i): {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
                            for i in range(c.n_layer)}}
 
+    def cross_kv(self, encoder_hidden):
+        """Every block's cross-attention keys and values of ``encoder_hidden`` [B, S, n_embd]:
+        {"layers": {"i": {"k": [B, S, heads, head_dim], "v": ...}}}, computed once per input."""
+        x = encoder_hidden.astype(self.config.dtype)
+        return {"layers": {str(i): dict(zip(("k", "v"), block.crossattention.kv(x)))
+                           for i, block in enumerate(self.h)}}
+
     def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
-                 cache_index=None):
+                 cache_index=None, cross_kv=None, cross_mask=None):
         b, t = input_ids.shape
         if cache is None:
             mask = None  # causal, unpadded: the attention kernel masks itself
@@ -206,43 +245,54 @@ class GPT2LMHeadModel(nnx.Module):
         new_cache = {}
         for i, block in enumerate(self.h):
             layer_cache = None if cache is None else cache["layers"][str(i)]
+            layer_kv = None if cross_kv is None else cross_kv["layers"][str(i)]
             x, new_cache[str(i)] = _run_block(block, x, mask, layer_cache, cache_index,
-                                              self.config.remat)
+                                              self.config.remat, layer_kv, cross_mask)
         logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
         return logits if cache is None else (logits, {"layers": new_cache})
 
 
-def _run_block(block, x, mask, cache, cache_index, remat):
+def _run_block(block, x, mask, cache, cache_index, remat, cross_kv=None, cross_mask=None):
+    args = (x, mask, cache, cache_index, cross_kv, cross_mask)
     if remat:  # keep only the block's inputs for the backward pass, recompute the rest
-        return nnx.remat(lambda blk, *args: blk(*args))(block, x, mask, cache, cache_index)
-    return block(x, mask, cache, cache_index)
+        return nnx.remat(lambda blk, *args: blk(*args))(block, *args)
+    return block(*args)
 
 
 MODULES = {"GPT2LMHeadModel": GPT2LMHeadModel}
 DEFAULT_MODULE = GPT2LMHeadModel
 
 
-def hf_sources(config, module_cls):
-    """Tensor names as transformers saves GPT2LMHeadModel; the tied head is ``wte``."""
+def hf_sources(config, module_cls, prefix=""):
+    """Tensor names as transformers saves GPT2LMHeadModel (``prefix`` "decoder." inside a
+    VisionEncoderDecoderModel); the tied head is ``wte``."""
     def conv1d(name):  # stored (in, out): no transpose
         return {"kernel": hf.Source(f"{name}.weight"), "bias": hf.Source(f"{name}.bias")}
+
+    def fused(name, parts):  # stored (in, parts * out), kept (in, parts, out)
+        h = config.n_embd
+        return {"kernel": hf.Source(f"{name}.weight", shape=(h, parts * h)),
+                "bias": hf.Source(f"{name}.bias", shape=(parts * h,))}
 
     def norm(name):
         return {"scale": hf.Source(f"{name}.weight"), "bias": hf.Source(f"{name}.bias")}
 
     def block(i):
-        p = f"transformer.h.{i}."
-        h = config.n_embd
-        return {"ln_1": norm(p + "ln_1"), "ln_2": norm(p + "ln_2"),
-                "attn": {"c_attn": {"kernel": hf.Source(p + "attn.c_attn.weight", shape=(h, 3 * h)),
-                                    "bias": hf.Source(p + "attn.c_attn.bias", shape=(3 * h,))},
-                         "c_proj": conv1d(p + "attn.c_proj")},
-                "mlp": {"c_fc": conv1d(p + "mlp.c_fc"), "c_proj": conv1d(p + "mlp.c_proj")}}
+        p = f"{prefix}transformer.h.{i}."
+        out = {"ln_1": norm(p + "ln_1"), "ln_2": norm(p + "ln_2"),
+               "attn": {"c_attn": fused(p + "attn.c_attn", 3), "c_proj": conv1d(p + "attn.c_proj")},
+               "mlp": {"c_fc": conv1d(p + "mlp.c_fc"), "c_proj": conv1d(p + "mlp.c_proj")}}
+        if config.add_cross_attention:
+            out["ln_cross_attn"] = norm(p + "ln_cross_attn")
+            out["crossattention"] = {"q_attn": conv1d(p + "crossattention.q_attn"),
+                                     "c_attn": fused(p + "crossattention.c_attn", 2),
+                                     "c_proj": conv1d(p + "crossattention.c_proj")}
+        return out
 
-    return {"wte": {"embedding": hf.Source("transformer.wte.weight")},
-            "wpe": {"embedding": hf.Source("transformer.wpe.weight")},
+    return {"wte": {"embedding": hf.Source(f"{prefix}transformer.wte.weight")},
+            "wpe": {"embedding": hf.Source(f"{prefix}transformer.wpe.weight")},
             "h": {str(i): block(i) for i in range(config.n_layer)},
-            "ln_f": norm("transformer.ln_f")}
+            "ln_f": norm(f"{prefix}transformer.ln_f")}
 
 
 def example_inputs(config, module_cls):

@@ -4,7 +4,8 @@
 - Rotary position embeddings: :func:`rope_inv_freq` (the per-pair frequencies, with the scaling
   variants Hugging Face configs name: ``linear``, ``dynamic``, ``llama3``, ``yarn``),
   :func:`rotary_cos_sin` (cos/sin tables for given positions) and :func:`apply_rotary`
-  (the "rotate half" convention of Hugging Face checkpoints).
+  (the "rotate half" convention of Hugging Face checkpoints, or GPT-J's interleaved pairs on
+  part of each head).
 - Attention with a key/value cache: :func:`attention_mask` (causal, padding, optional sliding
   window, over query and key *slots*), :func:`write_cache` (a traceable in-place write) and
   :func:`attend` (cuDNN's fused attention on NVIDIA GPUs where the call allows it, XLA's elsewhere).
@@ -157,14 +158,29 @@ def rotary_cos_sin(positions, head_dim, theta, scaling=None, max_position_embedd
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 
 
-def apply_rotary(x, cos, sin):
-    """Rotate ``x [B, T, H, D]`` by the angles in ``cos``/``sin [B, T, D]``: the first and second
-    halves of the head dimension form the pairs (Hugging Face's layout, not interleaved)."""
+def apply_rotary(x, cos, sin, interleaved=False):
+    """Rotate ``x [B, T, H, D]`` by the angles in ``cos``/``sin [B, T, R]`` (from
+    :func:`rotary_cos_sin` with ``head_dim=R``).
+
+    By default the first and second halves of the rotated dimensions form the pairs (the Llama
+    layout of Hugging Face checkpoints); ``interleaved=True`` pairs neighbours (0, 1), (2, 3), ...
+    (GPT-J, GPT-NeoX-style "rotate every two"). With ``R < D`` only the first ``R`` dimensions of
+    each head are rotated and the rest pass unchanged (GPT-J's ``rotary_dim``)."""
+    rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    half = rot.shape[-1] // 2
+    if interleaved:
+        # the tables repeat each pair's angle over two halves; pairs are neighbours here
+        cos = jnp.repeat(cos[..., :half], 2, axis=-1)
+        sin = jnp.repeat(sin[..., :half], 2, axis=-1)
+        pairs = rot.reshape(*rot.shape[:-1], half, 2)
+        # (a, b) -> (-b, a); concatenated, not stacked, so the sharding planner follows it
+        rotated = jnp.concatenate([-pairs[..., 1:], pairs[..., :1]], axis=-1).reshape(rot.shape)
+    else:
+        rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out = rot * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
 
 
 # ---------------------------------------------------------------------------------------------

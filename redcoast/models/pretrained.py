@@ -28,6 +28,11 @@ FAMILIES = {
     "gpt2": "redcoast.models.gpt2",
     "bert": "redcoast.models.bert",
     "t5": "redcoast.models.t5",
+    "gptj": "redcoast.models.gptj",
+    "opt": "redcoast.models.opt",
+    "bart": "redcoast.models.bart",
+    "vit": "redcoast.models.vit",
+    "vision-encoder-decoder": "redcoast.models.vision_encoder_decoder",
 }
 
 

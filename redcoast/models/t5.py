@@ -19,7 +19,6 @@ and ``decode(..., cross_kv=...)`` reuses them; without ``cross_kv`` they are rec
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import jax
@@ -28,18 +27,9 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError
+from .activations import ACTIVATIONS
 from .hf import Source
 from .layers import RMSNorm, write_cache
-
-ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": partial(jax.nn.gelu, approximate=False),
-    "gelu_new": partial(jax.nn.gelu, approximate=True),  # the tanh approximation
-    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-}
-
 
 @dataclass(frozen=True)
 class Config:
