@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from . import validate
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
 from .data import BatchMaker, epoch_order, padded_batches, prefetch
@@ -22,6 +23,7 @@ from .sharding.dataflow import traced_placements
 from .sharding.fusion import split_weight_axes
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
+from .workdir import WorkdirLock, move_aside
 
 
 class Trainer:
@@ -356,7 +358,7 @@ class Trainer:
 
     def restore_checkpoint(self, store):
         """Load the newest complete checkpoint of ``store`` onto this mesh; its meta, or None."""
-        restored = store.restore_latest(self._abstract_state())
+        restored = store.restore_latest_or_fail(self._abstract_state())
         if restored is None:
             return None
         arrays, meta = restored
@@ -383,6 +385,9 @@ class Trainer:
         ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
         exactly as if it had never stopped.
         """
+        validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
+                          eval_per_device_batch_size, save_every_n_steps, save_every_k_epochs,
+                          keep_last_n_ckpts, log_every_n_steps, train_examples)
         save_min = list(save_argmin_ckpt_by_metrics or [])
         save_max = list(save_argmax_ckpt_by_metrics or [])
         wants_saving = bool(save_every_n_steps or save_every_k_epochs or save_last_ckpt
@@ -400,10 +405,14 @@ class Trainer:
                   "accumulate_grad_batches": self.accumulate_grad_batches,
                   "train_size": len(train_examples), "n_epochs": n_epochs, "shuffle": shuffle,
                   "compute_dtype": str(jnp.dtype(self.compute_dtype))}
-        store = None
+        store = lock = None
         if workdir is not None and (wants_saving or resume):
-            store = CheckpointStore(os.path.join(workdir, "checkpoints", "steps"),
-                                    keep_last_n=keep_last_n_ckpts, logger=self.deployer.logger)
+            lock = WorkdirLock(workdir, logger=self.deployer.logger).acquire()
+            try:
+                store = self._open_store(workdir, keep_last_n_ckpts, resume)
+            except BaseException:
+                lock.release()
+                raise
         start_epoch, start_position = 0, 0
         if resume and store is not None and store.steps():
             meta = self.restore_checkpoint(store)
@@ -449,6 +458,23 @@ class Trainer:
         finally:  # whatever happened, finish writing the checkpoints already started
             if store is not None:
                 store.close()
+            if lock is not None:
+                lock.release()
+
+    def _open_store(self, workdir, keep_last_n_ckpts, resume):
+        """The run's checkpoint store; with ``resume=False`` an earlier run's checkpoints are
+        moved aside (never overwritten, never silently kept in place of this run's)."""
+        directory = os.path.join(workdir, "checkpoints")
+        store = CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
+                                logger=self.deployer.logger)
+        if resume or not (store.steps() or _has_best(directory)):
+            return store
+        store.close()
+        aside = move_aside(directory, "earlier-run", self.deployer.logger)
+        self.deployer.log_warning(f"resume=False: the checkpoints of an earlier run in {directory} "
+                                  f"were moved to {aside}; this run starts afresh.")
+        return CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
+                               logger=self.deployer.logger)
 
     def _stop_for_preemption(self, store, guard, epoch, position, config):
         if store is not None:
@@ -490,7 +516,7 @@ class Trainer:
                 continue
             self._best[tag] = value
             best_store = CheckpointStore(os.path.join(workdir, "checkpoints", tag), keep_last_n=1,
-                                         logger=self.deployer.logger)
+                                         logger=self.deployer.logger, replace_existing=True)
             self.save_checkpoint(best_store, epoch + 1, 0, config)
             best_store.close()
             self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
@@ -503,6 +529,12 @@ class Trainer:
             self.deployer.log_warning(
                 "resuming with a different " + ", ".join(f"{k} ({saved[k]} -> {current[k]})" for k in changed)
                 + ": the data order changes, so the run will not repeat the interrupted one.")
+
+
+def _has_best(directory):
+    from etils import epath
+    path = epath.Path(directory)
+    return path.exists() and any(p.name.startswith("best_") for p in path.iterdir())
 
 
 def _nonfinite_message(step, value):
