@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from . import distributed
+from . import distributed, validate
 from .errors import ConfigError
 from .export import save_params
 from .logs import RunLogger
@@ -97,7 +97,7 @@ class Deployer:
 
     def global_batch_size(self, per_device_batch_size):
         """Examples per micro-batch across the whole mesh: one slice per data-parallel shard."""
-        return int(per_device_batch_size) * self.n_data_shards
+        return validate.positive_int("per_device_batch_size", per_device_batch_size) * self.n_data_shards
 
     def gen_rng(self):
         """A fresh PRNG key; the sequence depends on ``jax_seed`` only (same on every process)."""

@@ -247,6 +247,7 @@ class Trainer:
         ``after_step(position)`` runs after each update (``position`` updates of this epoch
         done); if it returns True the epoch stops there. Returns the position reached.
         """
+        validate.positive_int("log_every_n_steps", log_every_n_steps)
         k = self.accumulate_grad_batches
         order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
         self._settle_model_shards(lambda: self._first_batch(examples, order, per_device_batch_size))
