@@ -83,7 +83,9 @@ def write_safetensors(path, entries, metadata=None):
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
         for name, shape, dtype, fetch in entries:
-            array = np.ascontiguousarray(fetch())
+            array = np.asarray(fetch())
+            if not array.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+                array = array.copy(order="C")
             if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
                 raise ValueError(f"tensor {name!r} came out as {array.shape} {array.dtype}, not "
                                  f"{tuple(shape)} {np.dtype(dtype)}.")
