@@ -171,8 +171,8 @@ def test_keep_last_n_ckpts_below_one_is_refused(tmp_path, keep):
 # -- 4. after a NaN loss the parameters in memory are the last finite ones ------------------------
 
 def test_after_a_nan_loss_params_are_the_last_finite_ones(tmp_path):
-    def nan_from_step_two(rng, state, params, batch, is_training):
-        return jnp.where(state.step >= 2, jnp.nan, mse(rng, state, params, batch, is_training))
+    def nan_from_step_two(rng, state, params, batch, is_training):  # NaN gradients too
+        return mse(rng, state, params, batch, is_training) * jnp.where(state.step >= 2, jnp.nan, 1.0)
 
     trainer = linear_trainer(tmp_path, loss=nan_from_step_two)
     with pytest.raises(NonFiniteLossError, match="at step 2"):
