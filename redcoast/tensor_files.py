@@ -45,9 +45,17 @@ def entry(name, value):
 def host_array(value):
     """One tensor on this host, whole: gathered from every process if it is split across them
     (every process must call this together for such a tensor)."""
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        value = multihost_utils.process_allgather(value, tiled=True)
-    return np.asarray(value)
+    if not isinstance(value, jax.Array):
+        return np.asarray(value)
+    if not value.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    # Assembled from the shards rather than np.asarray(value), which would keep the host copy
+    # cached on the array: an export would then end holding the whole model in host memory.
+    out = np.empty(value.shape, value.dtype)
+    for shard in value.addressable_shards:
+        if shard.replica_id == 0:
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def header_bytes(entries, metadata=None):
