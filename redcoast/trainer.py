@@ -23,7 +23,7 @@ from .sharding.dataflow import traced_placements
 from .sharding.fusion import split_weight_axes
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
-from .workdir import WorkdirLock, move_aside
+from .workdir import WorkdirLock, agree, move_aside
 
 
 class Trainer:
@@ -44,6 +44,7 @@ class Trainer:
     def __init__(self, deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
                  compute_dtype=jnp.float32, train_step_fn=None, fsdp=True, fuse_matmuls=None):
+        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn)
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                               "positive integer.")
@@ -468,7 +469,8 @@ class Trainer:
         directory = os.path.join(workdir, "checkpoints")
         store = CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
                                 logger=self.deployer.logger)
-        if resume or not (store.steps() or _has_best(directory)):
+        # process 0 decides (the others might look after it moved the directory)
+        if resume or not agree(store.steps() or _has_best(directory)):
             return store
         store.close()
         aside = move_aside(directory, "earlier-run", self.deployer.logger)

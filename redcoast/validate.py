@@ -62,3 +62,16 @@ def fit_args(per_device_batch_size, n_epochs, eval_examples, eval_per_device_bat
     check_keep_last_n(keep_last_n_ckpts)
     non_empty_examples("train_examples", train_examples)
     non_empty_examples("eval_examples", eval_examples)
+
+
+def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None):
+    """The functions and optimizer given to ``Trainer``."""
+    if not callable(collate_fn):
+        raise ConfigError(f"collate_fn is {type(collate_fn).__name__}, not a function. Fix: pass "
+                          "a function from a list of examples to a dict of arrays.")
+    if not callable(loss_fn) and not (loss_fn is None and train_step_fn is not None):
+        raise ConfigError(f"loss_fn is {type(loss_fn).__name__}, not a function. Fix: pass "
+                          "loss_fn(rng, state, params, batch, is_training) -> scalar loss.")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ConfigError(f"optimizer is {type(optimizer).__name__}, not an optax optimizer. Fix: "
+                          "pass an optax.GradientTransformation, e.g. optax.adamw(1e-4).")

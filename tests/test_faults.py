@@ -20,7 +20,7 @@ import pytest
 from redcoast import (CheckpointError, ConfigError, Deployer, LossError, NonFiniteLossError,
                       Trainer)
 from redcoast.checkpoint import CheckpointStore
-from redcoast.workdir import LOCK_NAME, absolute
+from redcoast.workdir import LOCK_NAME, STALE_AFTER_S, WorkdirLock, absolute
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -110,6 +110,23 @@ def test_a_workdir_in_use_by_a_live_run_is_refused_and_a_stale_lock_taken_over(t
     assert f"left by process {holder.pid}" in (tmp_path / "log.txt").read_text()
     assert not (tmp_path / LOCK_NAME).exists()  # released at the end
     assert os.listdir(tmp_path / "checkpoints" / "steps") == ["4"]
+
+
+def test_a_lock_from_another_host_is_refused_while_alive_and_taken_over_when_silent(tmp_path):
+    def lock_from_elsewhere(silent_s):
+        record = {"host": "elsewhere", "pid": 1, "started": time.time() - 1e4,
+                  "alive": time.time() - silent_s}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(record))
+
+    lock_from_elsewhere(silent_s=5)
+    with pytest.raises(CheckpointError, match=r"in use by another run \(process 1 on host "
+                                              r"elsewhere.*last sign of life 5 s ago"):
+        WorkdirLock(tmp_path).acquire()
+    lock_from_elsewhere(silent_s=STALE_AFTER_S + 60)  # its machines were preempted
+    lock = WorkdirLock(tmp_path, logger=None).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 # -- 2. restores that fail are reported as what they are ----------------------------------------
@@ -253,6 +270,12 @@ def test_bad_fit_arguments_are_refused_before_any_work(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         trainer.fit(**args)
     assert trainer.step == 0
+
+
+def test_a_learning_rate_for_an_optimizer_is_refused_at_once():
+    deployer = Deployer(verbose=False)
+    with pytest.raises(ConfigError, match=r"optimizer is float, not an optax optimizer.*Fix"):
+        Trainer(deployer, collate, None, mse, {"w": np.zeros((4, 1), np.float32)}, 1e-3)
 
 
 def test_an_integer_loss_is_refused():
