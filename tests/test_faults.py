@@ -161,13 +161,31 @@ def test_an_nnx_module_as_params_restores(tmp_path):
     assert_trees_equal(restorer.state.opt_state, saver.state.opt_state)
 
 
-def test_checkpoints_that_exist_but_none_restores_stop_fit(tmp_path):
-    linear_trainer(tmp_path).fit(examples(), 1, 1, save_every_n_steps=2)  # steps 2 and 4
-    steps = tmp_path / "checkpoints" / "steps"
-    for root, _, files in os.walk(steps):
+def truncate_files(directory):
+    for root, _, files in os.walk(directory):
         for name in files:
             with open(os.path.join(root, name), "r+b") as f:
                 f.truncate(0)
+
+
+def test_a_damaged_checkpoint_is_moved_aside_when_its_step_is_saved_again(tmp_path):
+    uninterrupted = linear_trainer(tmp_path)
+    uninterrupted.fit(examples(), 1, 1, save_every_n_steps=2)  # steps 2 and 4
+    steps = tmp_path / "checkpoints" / "steps"
+    truncate_files(steps / "4")
+    again = linear_trainer(tmp_path)
+    again.fit(examples(), 1, 1, save_every_n_steps=2)  # resumes from 2, saves 4 anew
+    assert_trees_equal(again.params, uninterrupted.params)
+    assert [n for n in os.listdir(steps) if n.startswith("4.damaged-")]
+    meta, params = restored_params(tmp_path, linear_trainer())
+    assert meta["step"] == 4
+    assert_trees_equal(params, uninterrupted.params)
+    assert "moved the damaged checkpoint" in (tmp_path / "log.txt").read_text()
+
+
+def test_checkpoints_that_exist_but_none_restores_stop_fit(tmp_path):
+    linear_trainer(tmp_path).fit(examples(), 1, 1, save_every_n_steps=2)  # steps 2 and 4
+    truncate_files(tmp_path / "checkpoints" / "steps")
     trainer = linear_trainer(tmp_path)
     with pytest.raises(CheckpointError, match=r"(?s)None of the 2 checkpoint\(s\) in .* restores:"
                                               r".*/2: is damaged.*/4: is damaged.*Fix: resume=False"):
