@@ -1,7 +1,7 @@
 """redcoast: distributed training and inference of large models on JAX from three functions."""
 
 from .deployer import Deployer
-from .errors import ConfigError, DataError, LossError, NonFiniteLossError, RedcoastError
+from .errors import CheckpointError, ConfigError, DataError, LossError, NonFiniteLossError, RedcoastError
 from .predictor import Predictor
 from .sharding import ShardingPlan
 from .train_state import TrainState
@@ -10,4 +10,4 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = ["Deployer", "Trainer", "Predictor", "TrainState", "ShardingPlan", "RedcoastError",
-           "ConfigError", "DataError", "LossError", "NonFiniteLossError"]
+           "CheckpointError", "ConfigError", "DataError", "LossError", "NonFiniteLossError"]

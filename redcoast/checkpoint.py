@@ -4,24 +4,31 @@ A checkpoint holds the training state's arrays (step, parameters, optimizer stat
 every process for its own shards, and a JSON record of where the run was (epoch, position in
 the epoch, random keys, best metrics so far, the run's configuration). Orbax writes a step into
 a temporary directory and renames it when complete, so a crash at any moment leaves the previous
-complete checkpoint intact; a damaged one is reported and skipped. Nothing is pickled.
+complete checkpoint intact; a damaged one is reported and skipped (and moved aside if a later
+save needs its step number). Arrays are stored as nested dicts keyed by their path strings, so
+any pytree (Flax dicts, optax tuples, ``nnx.Module``s with mixed int/str keys) saves and restores.
+Nothing is pickled. ``directory`` may be a URL Orbax supports (``gs://...``).
 """
 
-import os
-
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .sharding.paths import leaves_with_paths, path_to_str
+from .workdir import absolute, join, move_aside
 
 
 class CheckpointStore:
     """The checkpoints of one run kept in ``directory`` (one sub-directory per step)."""
 
-    def __init__(self, directory, keep_last_n=None, async_save=True, logger=None):
-        self.directory = os.path.abspath(directory)
+    def __init__(self, directory, keep_last_n=None, async_save=True, logger=None,
+                 replace_existing=False):
+        check_keep_last_n(keep_last_n)
+        self.directory = absolute(directory)
         self.logger = logger
+        # a best-so-far store: the same step saved by an interrupted attempt of this run is replaced
+        self.replace_existing = replace_existing
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last_n, enable_async_checkpointing=async_save, create=True,
             cleanup_tmp_directories=True)
@@ -29,18 +36,39 @@ class CheckpointStore:
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
-        self._last_saved = None
+        self._last_saved = None  # the step this store wrote or restored: that state is on disk
+        self._damaged = {}  # step -> why it did not restore
 
     def steps(self):
         return sorted(self._manager.all_steps())
 
     def save(self, step, state_arrays, meta):
-        """Start writing a checkpoint; returns once the arrays are copied off the devices."""
-        if step == self._last_saved or step in self._manager.all_steps():
-            return  # this exact state is already saved (or being saved)
+        """Start writing a checkpoint; returns once the arrays are copied off the devices.
+
+        Saving the step this store last wrote or restored again is skipped (the same state is on
+        disk). A step on disk that this store did not write is never silently kept in place of
+        the new state: a damaged one is moved aside, any other is an error.
+        """
+        if step == self._last_saved:
+            return
+        if step in self._manager.all_steps():
+            where = join(self.directory, str(step))
+            if self.replace_existing and step not in self._damaged:
+                self._manager.delete(step)
+            elif step not in self._damaged:
+                raise CheckpointError(
+                    f"Cannot save step {step}: {where} already holds a checkpoint that this run "
+                    "did not write (another run's?). Fix: use another workdir, or resume=True to "
+                    "continue that run.")
+            else:
+                aside = move_aside(where, "damaged", self.logger)
+                self._warn(f"moved the damaged checkpoint {where} aside to {aside} to save step "
+                           f"{step}.")
+                self._manager.reload()
         self._last_saved = step
         self._manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state_arrays), meta=ocp.args.JsonSave(meta)), force=True)
+            state=ocp.args.StandardSave(to_saved(state_arrays)), meta=ocp.args.JsonSave(meta)),
+            force=True)
 
     def wait(self):
         """Block until every started save is complete on disk."""
@@ -54,34 +82,94 @@ class CheckpointStore:
         error naming the differences; a damaged one is skipped with a warning.
         """
         for step in reversed(self.steps()):
-            where = os.path.join(self.directory, str(step))
+            where = join(self.directory, str(step))
             try:
                 saved = self._manager.item_metadata(step)["state"]
                 saved_tree = saved.tree if hasattr(saved, "tree") else saved
                 if saved_tree is None:
                     raise ValueError("no array metadata")
             except Exception as e:  # unreadable metadata: a damaged checkpoint
-                self._warn(f"checkpoint {where} is damaged ({type(e).__name__}: {e}); skipping it.")
+                self._skip(step, where, f"is damaged ({type(e).__name__}: {e})")
                 continue
             check_same_model(saved_tree, abstract_state, where)
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-            except Exception as e:
-                self._warn(f"checkpoint {where} is damaged ({type(e).__name__}: {e}); skipping it.")
+                    state=ocp.args.StandardRestore(to_saved(abstract_state)),
+                    meta=ocp.args.JsonRestore()))
+            except Exception as e:  # same arrays by name and shape, yet unreadable: damaged data
+                self._skip(step, where, f"could not be read although it holds this model's "
+                                        f"arrays: damaged? ({type(e).__name__}: {e})")
                 continue
-            return restored["state"], restored["meta"]
+            self._last_saved = step
+            return from_saved(restored["state"], abstract_state), restored["meta"]
         return None
+
+    def restore_latest_or_fail(self, abstract_state):
+        """As :meth:`restore_latest`, but checkpoints that exist and none restores are an error
+        (training from scratch would silently drop the run they hold); None if there are none."""
+        restored = self.restore_latest(abstract_state)
+        if restored is None and self._damaged:
+            lines = "\n  ".join(f"{join(self.directory, str(s))}: {why}"
+                                for s, why in sorted(self._damaged.items()))
+            raise CheckpointError(
+                f"None of the {len(self._damaged)} checkpoint(s) in {self.directory} restores:\n  "
+                f"{lines}\nFix: resume=False to start afresh (the old checkpoints are then moved "
+                "aside, not deleted), or another workdir.")
+        return restored
 
     def close(self):
         self._manager.wait_until_finished()
         self._manager.close()
+
+    def _skip(self, step, where, why):
+        self._damaged[step] = why
+        self._warn(f"checkpoint {where} {why}; skipping it.")
 
     def _warn(self, text):
         if self.logger is not None:
             self.logger.warning(text)
         else:
             print(f"WARNING: {text}")
+
+
+def check_keep_last_n(keep_last_n):
+    """``keep_last_n`` must keep at least one checkpoint (0 would delete every one, the
+    preemption save included)."""
+    if keep_last_n is None:
+        return
+    if isinstance(keep_last_n, bool) or not isinstance(keep_last_n, (int, np.integer)) or keep_last_n < 1:
+        raise ConfigError(
+            f"keep_last_n_ckpts={keep_last_n!r} would keep no checkpoint (each save would delete "
+            "the one before, the preemption save included). Fix: a positive integer, or None to "
+            "keep them all.")
+
+
+def to_saved(tree):
+    """The arrays of ``tree`` as nested dicts keyed by path strings (what Orbax stores)."""
+    out = {}
+    for path, leaf in leaves_with_paths(tree):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"Two leaves of the training state share the path "
+                                  f"{path_to_str(path)}; it cannot be checkpointed. Fix: give "
+                                  "the parameters distinct names.")
+        node[path[-1]] = leaf
+    return out
+
+
+def from_saved(saved, like):
+    """Rebuild the structure of ``like`` from :func:`to_saved`'s nested dicts."""
+    def lookup(path):
+        node = saved
+        for key in path:
+            node = node[key]
+        return node
+
+    flat, treedef = jax.tree_util.tree_flatten(like)
+    paths = [p for p, _ in leaves_with_paths(like)]
+    return jax.tree_util.tree_unflatten(treedef, [lookup(p) for p in paths])
 
 
 def check_same_model(saved_tree, abstract_state, where):

@@ -1,12 +1,13 @@
 """One run's environment: processes, device mesh, random streams, schedules, logging."""
 
 import os
+import weakref
 
 import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from . import distributed
+from . import distributed, validate
 from .errors import ConfigError
 from .export import save_params
 from .logs import RunLogger
@@ -48,12 +49,26 @@ class Deployer:
         self._rng = jax.random.PRNGKey(self.jax_seed)
         self.logger = RunLogger(workdir=workdir, verbose=verbose, run_tensorboard=run_tensorboard,
                                 wandb_init_kwargs=wandb_init_kwargs)
+        # the log files and TensorBoard writer are closed (their last records written) by
+        # close(), at the end of a `with Deployer(...)` block, or at the latest at exit
+        self._close_logger = weakref.finalize(self, self.logger.close)
         self.log_info(
             f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
             f"process(es) ({distributed.describe(self.cluster)}); "
             f"mesh dp={self.n_data_shards} x mp={self.n_model_shards}"
             + (" until n_model_shards='auto' is settled at the first batch"
                if self.model_shards_pending else ""))
+
+    def close(self):
+        """Flush and close the run's logs (log.txt, metrics.jsonl, TensorBoard, W&B)."""
+        self._close_logger()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
     def model_shard_candidates(self):
         """Every valid n_model_shards on these devices, smallest first."""
@@ -97,7 +112,7 @@ class Deployer:
 
     def global_batch_size(self, per_device_batch_size):
         """Examples per micro-batch across the whole mesh: one slice per data-parallel shard."""
-        return int(per_device_batch_size) * self.n_data_shards
+        return validate.positive_int("per_device_batch_size", per_device_batch_size) * self.n_data_shards
 
     def gen_rng(self):
         """A fresh PRNG key; the sequence depends on ``jax_seed`` only (same on every process)."""

@@ -19,3 +19,7 @@ class LossError(RedcoastError, TypeError):
 
 class NonFiniteLossError(RedcoastError, FloatingPointError):
     """The training loss became NaN or infinite; no update from that step was applied."""
+
+
+class CheckpointError(RedcoastError, RuntimeError):
+    """A workdir or its checkpoints cannot be used as asked (in use, none restorable, ...)."""

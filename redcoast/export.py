@@ -1,22 +1,24 @@
 """Exporting parameters as plain safetensors files (a flat dict of tensor name to array).
 
 The files are readable with the ``safetensors`` package alone, without redcoast. Writes are
-atomic: the file appears under its name only once complete.
+atomic: the file appears under its name only once complete. They stream one tensor at a time
+(host memory near the largest tensor, not the model) and keep each tensor's dtype.
 """
-
-import os
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from .sharding.paths import leaves_with_paths, path_to_tuple
+from .errors import ConfigError
+from .tensor_files import entry, write_safetensors
 
 SEPARATOR = "."
 
 
 def flat_tensors(params):
-    """``{'params.Dense_0.kernel': np.ndarray, ...}`` gathered from every process's shards."""
+    """``{'params.Dense_0.kernel': np.ndarray, ...}`` gathered from every process's shards
+    (the whole model in host memory: for tests and small models; files stream instead)."""
     out = {}
     for path, leaf in leaves_with_paths(params):
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
@@ -26,16 +28,9 @@ def flat_tensors(params):
 
 
 def save_params(params, path):
-    """Write ``params`` to ``path`` (safetensors) from process 0, atomically."""
-    from safetensors.numpy import save_file
-
-    tensors = flat_tensors(params)  # every process takes part in the gather
-    if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    multihost_utils.sync_global_devices(f"redcoast.save_params:{path}")
+    """Write ``params`` to ``path`` (safetensors) from process 0, atomically, one tensor at a
+    time; every process must call it (split tensors are gathered one by one)."""
+    write_safetensors(path, [entry(SEPARATOR.join(p), leaf) for p, leaf in leaves_with_paths(params)])
 
 
 def load_params(path, like):
@@ -52,7 +47,7 @@ def load_params(path, like):
         lines += [f"unexpected: {k} {tensors[k].shape}" for k in unexpected[:10]]
         lines += [f"shape: {k} is {tensors[k].shape} in the file, {tuple(expected[k])} in the model"
                   for k in wrong[:10]]
-        raise ValueError(f"{path} holds parameters of another model:\n  " + "\n  ".join(lines) +
+        raise ConfigError(f"{path} holds parameters of another model:\n  " + "\n  ".join(lines) +
                          "\nFix: load it into the model it was saved from.")
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
     return jax.tree_util.tree_unflatten(

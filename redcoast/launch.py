@@ -9,16 +9,25 @@ local device count) and starts ``jax.distributed``. Every line a process prints 
 its index (``[0] ...``). SIGINT and SIGTERM are forwarded to all processes. When one process
 fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace-period`` seconds) and the
 launcher exits non-zero, naming the process, how it ended, and its last lines of output.
+
+A watchdog also ends the launch, naming the process, when a process exits with status 0 while
+the others keep running for ``--exit-timeout`` seconds (an early exit the others would otherwise
+wait for, or later blame on a survivor), and when no process makes progress for
+``--stall-timeout`` seconds (a hang). Progress is a line of output or a touch of the file named by
+``REDCOAST_HEARTBEAT_FILE`` (:func:`heartbeat`). A ``--port`` already in use is reported before
+anything starts.
 """
 
 import argparse
 import collections
+import errno
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -26,6 +35,9 @@ from . import distributed
 
 POLL_S = 0.05
 TAIL_LINES = 30
+ENV_HEARTBEAT_FILE = "REDCOAST_HEARTBEAT_FILE"
+EARLY_EXIT_FIX = ("every process must run the script to its end (no sys.exit / return on some "
+                  "processes only); to stop a run early, raise an error or stop all processes.")
 _FORCE_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
 
 
@@ -68,12 +80,18 @@ def _parser():
     parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
                         help="seconds the other processes get to exit after one fails, before "
                              "SIGKILL (default 5)")
+    parser.add_argument("--stall-timeout", type=float, default=1800.0, metavar="S",
+                        help="end the launch when no process has printed a line or touched its "
+                             "heartbeat file for S seconds (default 1800; 0: never)")
+    parser.add_argument("--exit-timeout", type=float, default=60.0, metavar="S",
+                        help="end the launch when a process exited with status 0 and the others "
+                             "are still running S seconds later (default 60)")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
     return parser
 
 
 _TAKES_VALUE = {"-n", "--n-processes", "--local-devices", "--port", "--host0-address",
-                "--grace-period"}
+                "--grace-period", "--stall-timeout", "--exit-timeout"}
 
 
 def parse_args(argv):
@@ -107,6 +125,28 @@ def parse_args(argv):
             parser.error(f"script {rest[0]!r} not found. Fix: give the path of a Python script.")
         command = [sys.executable, "-u"] + rest
     return options, command
+
+
+def heartbeat():
+    """Tell ``redcoast launch`` this process is making progress (for loops that print nothing);
+    does nothing outside a launch."""
+    path = os.environ.get(ENV_HEARTBEAT_FILE)
+    if path:
+        with open(path, "a"):
+            os.utime(path)
+
+
+def port_in_use(host, port):
+    """True if something on this machine already holds ``host:port`` (False if ``host`` is not
+    an address of this machine: then only the coordinator's host can tell)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1" if host == "localhost" else host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def free_port(host="127.0.0.1"):
@@ -156,12 +196,14 @@ def _die_with_parent():
 
 
 class _Output:
-    """Copies one process's stdout or stderr to ours, each line prefixed with its index."""
+    """Copies one process's stdout or stderr to ours, each line prefixed with its index;
+    ``progress[index]`` is the time of its last line."""
 
     lock = threading.Lock()
 
-    def __init__(self, pipe, prefix, sink, tail):
+    def __init__(self, pipe, prefix, sink, tail, progress=None, index=0):
         self.pipe, self.prefix, self.sink, self.tail = pipe, prefix.encode(), sink, tail
+        self.progress, self.index = progress, index
         self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
 
@@ -188,6 +230,8 @@ class _Output:
         self.pipe.close()
 
     def _write(self, line):
+        if self.progress is not None:
+            self.progress[self.index] = time.monotonic()
         text = line.rstrip(b"\r\n")
         if text:
             self.tail.append(text.decode(errors="replace"))
@@ -210,7 +254,11 @@ class Launcher:
         self.tails = []
         self.signals = []
         self.failed = None        # (index, returncode) of the first process that failed
+        self.reason = None        # why the watchdog ended the launch, when it did
+        self.fix = None           # and what to do about it
         self.stop_started = None  # when the others were told to stop
+        self.early_exit = None    # (index, time) of a process that exited 0 before the others
+        self.progress = []        # per process: when it last printed or touched its heartbeat
 
     def log(self, text):
         with _Output.lock:
@@ -218,31 +266,41 @@ class Launcher:
 
     def run(self):
         n, o = self.options.n_processes, self.options
+        if o.port and port_in_use(o.host0_address, o.port):
+            self.log(f"port {o.port} on {o.host0_address} is already in use, so the coordinator "
+                     f"cannot listen there. Fix: choose another --port, or leave --port out to "
+                     "use a free one.")
+            return 2
         port = o.port or free_port(o.host0_address if o.host0_address != "localhost" else "127.0.0.1")
         width = len(str(n - 1))
         self.log(f"starting {n} process(es), coordinator {o.host0_address}:{port}"
                  + (f", {o.local_devices} device(s) each" if o.local_devices else "")
                  + f": {' '.join(self.command[2:])}")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        beats = tempfile.TemporaryDirectory(prefix="redcoast-launch-")
+        self.heartbeats = [os.path.join(beats.name, f"heartbeat-{i}") for i in range(n)]
+        self.progress = [time.monotonic()] * n
         try:
             for i in range(n):
+                env = child_env(os.environ, n, i, o.host0_address, port, o.local_devices)
+                env[ENV_HEARTBEAT_FILE] = self.heartbeats[i]
                 self.procs.append(subprocess.Popen(
-                    self.command, env=child_env(os.environ, n, i, o.host0_address, port,
-                                                o.local_devices),
+                    self.command, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     start_new_session=True, preexec_fn=_die_with_parent))
             for i, p in enumerate(self.procs):
                 tail = collections.deque(maxlen=TAIL_LINES)
                 self.tails.append(tail)
                 prefix = f"[{i:>{width}}] "
-                self.outputs += [_Output(p.stdout, prefix, sys.stdout.buffer, tail),
-                                 _Output(p.stderr, prefix, sys.stderr.buffer, tail)]
+                self.outputs += [_Output(p.stdout, prefix, sys.stdout.buffer, tail, self.progress, i),
+                                 _Output(p.stderr, prefix, sys.stderr.buffer, tail, self.progress, i)]
             self.started = time.monotonic()
             self._supervise()
         finally:
             self._kill_all(signal.SIGKILL)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            beats.cleanup()
         # Copy what is still in the pipes (a busy machine may lag); a process's own children
         # that keep a pipe open cannot hold the launcher for more than a few seconds.
         deadline = time.monotonic() + 10
@@ -270,16 +328,66 @@ class Launcher:
             codes = [p.poll() for p in self.procs]
             if all(c is not None for c in codes):
                 return
+            now = time.monotonic()
             for i, c in enumerate(codes):
+                if c == 0 and self.early_exit is None:
+                    self.early_exit = (i, now)
                 if c not in (None, 0) and self.failed is None and not self.signals:
                     self.failed = (i, c)
-                    self.stop_started = time.monotonic()
-                    self.log(f"process {i} {describe_exit(c)}; stopping the other processes.")
-                    self._kill_all(signal.SIGTERM)
+                    if self.early_exit is not None:  # the survivor lost its peer: blame the peer
+                        j, t = self.early_exit
+                        self.failed = (j, 0)
+                        self.reason = (f"exited with code 0 after {t - self.started:.1f} s while "
+                                       f"the others were still running; process {i} then "
+                                       f"{describe_exit(c)} (a lost peer)")
+                        self.fix = EARLY_EXIT_FIX
+                    self._stop(f"process {i} {describe_exit(c)}")
+            if self.failed is None and not self.signals:
+                self._watchdog(codes, now)
             if (self.stop_started is not None
                     and time.monotonic() - self.stop_started > self.options.grace_period):
                 self._kill_all(signal.SIGKILL)
             time.sleep(POLL_S)
+
+    def _stop(self, what):
+        self.stop_started = time.monotonic()
+        self.log(f"{what}; stopping the other processes.")
+        self._kill_all(signal.SIGTERM)
+
+    def _watchdog(self, codes, now):
+        """End the launch on an early exit with status 0 or when no process makes progress."""
+        o = self.options
+        if self.early_exit is not None:
+            i, t = self.early_exit
+            if now - t > o.exit_timeout:
+                self.failed = (i, 0)
+                self.reason = (f"exited with code 0 after {t - self.started:.1f} s while the "
+                               f"others were still running {o.exit_timeout:g} s later (an early "
+                               "exit: a run's processes end together)")
+                self.fix = EARLY_EXIT_FIX
+                self._stop(f"process {i} exited early with code 0")
+            return
+        if not o.stall_timeout:
+            return
+        for i, path in enumerate(self.heartbeats):
+            try:  # a touched heartbeat counts as progress (mtime in wall-clock time)
+                age = time.time() - os.stat(path).st_mtime
+                self.progress[i] = max(self.progress[i], now - age)
+            except OSError:
+                pass
+        if now - max(self.progress) > o.stall_timeout:
+            i = min((k for k, c in enumerate(codes) if c is None), key=lambda k: self.progress[k])
+            quiet = ", ".join(f"process {k} {now - t:.0f} s" for k, t in enumerate(self.progress))
+            self.failed = (i, None)
+            self.reason = (f"made no progress (no output, no heartbeat) for "
+                           f"{now - self.progress[i]:.0f} s, longest of all (silent for: {quiet}): "
+                           f"hung? (--stall-timeout {o.stall_timeout:g} s)")
+            self.fix = (f"find where process {i} waits (its last lines above; `py-spy dump --pid "
+                        f"{self.procs[i].pid}` while it hangs), or raise --stall-timeout if it was "
+                        "only slow (long compilation prints nothing; redcoast.launch.heartbeat() "
+                        "reports progress without output).")
+            self._stop(f"no process made progress for {o.stall_timeout:g} s; process {i} has "
+                       "been silent longest")
 
     def _report(self):
         n = len(self.procs)
@@ -287,12 +395,15 @@ class Launcher:
             i, code = self.failed
             took = time.monotonic() - self.stop_started
             lines = "\n".join(f"  [{i}] {line}" for line in self.tails[i])
+            how = self.reason or f"{describe_exit(code)} after {self.stop_started - self.started:.1f} s"
+            fix = self.fix or (f"see process {i}'s error above (lines prefixed [{i}]); the other "
+                               "processes' errors about a lost peer follow from it.")
             self.log(
-                f"FAILED: process {i} of {n} (pid {self.procs[i].pid}) {describe_exit(code)} "
-                f"after {self.stop_started - self.started:.1f} s; the other processes were stopped "
-                f"in {took:.1f} s. Its last lines of output:\n{lines or '  (none)'}\n"
-                f"Fix: see process {i}'s error above (lines prefixed [{i}]); the other processes' "
-                "errors about a lost peer follow from it.")
+                f"FAILED: process {i} of {n} (pid {self.procs[i].pid}) {how}; the other processes "
+                f"were stopped in {took:.1f} s. Its last lines of output:\n{lines or '  (none)'}\n"
+                f"Fix: {fix}")
+            if not code:  # an early exit 0, or a hang: the launch failed all the same
+                return 1
             return code if code > 0 else 128 - code
         if self.signals:
             name = signal.Signals(self.signals[0]).name

@@ -46,8 +46,8 @@ class RunLogger:
             if workdir is None:
                 raise ValueError("run_tensorboard=True needs a workdir to write events to. "
                                  "Fix: pass workdir=... to Deployer.")
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
+            from .tensorboard import ScalarWriter  # synchronous: flushed scalars are on disk
+            self._tb = ScalarWriter(os.path.join(workdir, "tensorboard"))
         if wandb_init_kwargs is not None:
             try:
                 import wandb

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from . import validate
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
 from .data import BatchMaker, epoch_order, padded_batches, prefetch
@@ -23,6 +24,7 @@ from .sharding.fusion import split_weight_axes
 from .throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
+from .workdir import WorkdirLock, agree, move_aside
 
 
 class Trainer:
@@ -49,6 +51,7 @@ class Trainer:
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
                  compute_dtype=jnp.float32, train_step_fn=None, fsdp=True, fuse_matmuls=None,
                  log_grad_norm=False):
+        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn)
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                               "positive integer.")
@@ -257,6 +260,7 @@ class Trainer:
         ``after_step(position)`` runs after each update (``position`` updates of this epoch
         done); if it returns True the epoch stops there. Returns the position reached.
         """
+        validate.positive_int("log_every_n_steps", log_every_n_steps)
         k = self.accumulate_grad_batches
         order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
         self._settle_model_shards(lambda: self._first_batch(examples, order, per_device_batch_size))
@@ -395,7 +399,7 @@ class Trainer:
 
     def restore_checkpoint(self, store):
         """Load the newest complete checkpoint of ``store`` onto this mesh; its meta, or None."""
-        restored = store.restore_latest(self._abstract_state())
+        restored = store.restore_latest_or_fail(self._abstract_state())
         if restored is None:
             return None
         arrays, meta = restored
@@ -422,6 +426,9 @@ class Trainer:
         ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
         exactly as if it had never stopped.
         """
+        validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
+                          eval_per_device_batch_size, save_every_n_steps, save_every_k_epochs,
+                          keep_last_n_ckpts, log_every_n_steps, train_examples)
         save_min = list(save_argmin_ckpt_by_metrics or [])
         save_max = list(save_argmax_ckpt_by_metrics or [])
         wants_saving = bool(save_every_n_steps or save_every_k_epochs or save_last_ckpt
@@ -439,10 +446,14 @@ class Trainer:
                   "accumulate_grad_batches": self.accumulate_grad_batches,
                   "train_size": len(train_examples), "n_epochs": n_epochs, "shuffle": shuffle,
                   "compute_dtype": str(jnp.dtype(self.compute_dtype))}
-        store = None
+        store = lock = None
         if workdir is not None and (wants_saving or resume):
-            store = CheckpointStore(os.path.join(workdir, "checkpoints", "steps"),
-                                    keep_last_n=keep_last_n_ckpts, logger=self.deployer.logger)
+            lock = WorkdirLock(workdir, logger=self.deployer.logger).acquire()
+            try:
+                store = self._open_store(workdir, keep_last_n_ckpts, resume)
+            except BaseException:
+                lock.release()
+                raise
         start_epoch, start_position = 0, 0
         if resume and store is not None and store.steps():
             meta = self.restore_checkpoint(store)
@@ -488,6 +499,24 @@ class Trainer:
         finally:  # whatever happened, finish writing the checkpoints already started
             if store is not None:
                 store.close()
+            if lock is not None:
+                lock.release()
+
+    def _open_store(self, workdir, keep_last_n_ckpts, resume):
+        """The run's checkpoint store; with ``resume=False`` an earlier run's checkpoints are
+        moved aside (never overwritten, never silently kept in place of this run's)."""
+        directory = os.path.join(workdir, "checkpoints")
+        store = CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
+                                logger=self.deployer.logger)
+        # process 0 decides (the others might look after it moved the directory)
+        if resume or not agree(store.steps() or _has_best(directory)):
+            return store
+        store.close()
+        aside = move_aside(directory, "earlier-run", self.deployer.logger)
+        self.deployer.log_warning(f"resume=False: the checkpoints of an earlier run in {directory} "
+                                  f"were moved to {aside}; this run starts afresh.")
+        return CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
+                               logger=self.deployer.logger)
 
     def _stop_for_preemption(self, store, guard, epoch, position, config):
         if store is not None:
@@ -529,7 +558,7 @@ class Trainer:
                 continue
             self._best[tag] = value
             best_store = CheckpointStore(os.path.join(workdir, "checkpoints", tag), keep_last_n=1,
-                                         logger=self.deployer.logger)
+                                         logger=self.deployer.logger, replace_existing=True)
             self.save_checkpoint(best_store, epoch + 1, 0, config)
             best_store.close()
             self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
@@ -542,6 +571,12 @@ class Trainer:
             self.deployer.log_warning(
                 "resuming with a different " + ", ".join(f"{k} ({saved[k]} -> {current[k]})" for k in changed)
                 + ": the data order changes, so the run will not repeat the interrupted one.")
+
+
+def _has_best(directory):
+    from etils import epath
+    path = epath.Path(directory)
+    return path.exists() and any(p.name.startswith("best_") for p in path.iterdir())
 
 
 def _nonfinite_message(step, value):

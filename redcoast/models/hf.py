@@ -9,6 +9,7 @@ slice request, not the tensor.
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..host import to_host
+from ..tensor_files import entry, write_safetensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -180,40 +182,34 @@ def load_params(reader, sources, abstract_params, shardings=None, dtype=None):
 
 
 def save_folder(folder, config, tensors, max_shard_bytes=None):
-    """Write ``config`` (dict) and ``tensors`` (name -> array, any placement) as a Hugging Face folder.
+    """Write ``config`` (dict) and ``tensors`` (name -> array of any placement, or a
+    :class:`redcoast.tensor_files.Deferred`) as a Hugging Face folder.
 
     Every process must call it (sharded arrays are gathered one at a time); process 0 writes.
-    Files appear complete: each is written under a temporary name and renamed.
+    Tensors stream to the files one at a time (host memory near the largest tensor) and keep
+    their dtype (bf16 stays bf16). Files appear complete: each is written under a temporary name
+    and renamed.
     """
-    from safetensors.numpy import save_file
-
-    host = {}
-    for name, value in tensors.items():
-        array = to_host(value) if isinstance(value, jax.Array) else value
-        if array.dtype == jnp.bfloat16:  # safetensors' numpy API has no bf16: keep it exact
-            array = np.asarray(array, np.float32)
-        host[name] = np.ascontiguousarray(array)
-    if jax.process_index() != 0:
-        return
-    os.makedirs(folder, exist_ok=True)
-    groups = [dict(host)]
+    entries = [entry(name, value) for name, value in tensors.items()]
+    nbytes = lambda e: math.prod(e[1]) * e[2].itemsize  # noqa: E731
+    groups = [entries]
     if max_shard_bytes:
-        groups, size = [{}], 0
-        for name, array in host.items():
-            if groups[-1] and size + array.nbytes > max_shard_bytes:
-                groups.append({})
+        groups, size = [[]], 0
+        for e in entries:
+            if groups[-1] and size + nbytes(e) > max_shard_bytes:
+                groups.append([])
                 size = 0
-            groups[-1][name] = array
-            size += array.nbytes
+            groups[-1].append(e)
+            size += nbytes(e)
     names = ([SINGLE_FILE] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     for name, group in zip(names, groups):
-        tmp = os.path.join(folder, f".{name}.tmp")
-        save_file(group, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(folder, name))
+        write_safetensors(os.path.join(folder, name), group, metadata={"format": "pt"})
+    if jax.process_index() != 0:
+        return
     if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(a.nbytes for a in host.values())},
-                 "weight_map": {t: n for n, g in zip(names, groups) for t in g}}
+        index = {"metadata": {"total_size": sum(nbytes(e) for e in entries)},
+                 "weight_map": {e[0]: n for n, g in zip(names, groups) for e in g}}
         _write_json(os.path.join(folder, INDEX_FILE), index)
     _write_json(os.path.join(folder, "config.json"), config)
 

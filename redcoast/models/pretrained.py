@@ -15,8 +15,10 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..errors import ConfigError
+from ..tensor_files import Deferred, host_array
 from . import hf
 from .base import Model
 
@@ -93,15 +95,22 @@ def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dty
 
 
 def hf_tensors(model, params):
-    """``{stored name: array}`` in the Hugging Face layout (transposes and reshapes undone)."""
+    """``{stored name: Deferred}`` in the Hugging Face layout (transposes and reshapes undone
+    on the host when each tensor is fetched, so nothing is copied on the devices)."""
     family = family_of(model.config.to_hf()["model_type"])
     sources = family.hf_sources(model.config, model.module_cls)
     is_source = lambda x: isinstance(x, hf.Source)  # noqa: E731
     out = {}
     for src, value in zip(jax.tree_util.tree_leaves(sources, is_leaf=is_source),
                           jax.tree_util.tree_leaves(params)):
-        value = value.T if src.transpose else value
-        out[src.name] = value if src.shape is None else value.reshape(src.shape)
+        shape = tuple(np.shape(value))[::-1] if src.transpose else tuple(np.shape(value))
+        shape = shape if src.shape is None else tuple(src.shape)
+
+        def fetch(value=value, src=src, shape=shape):
+            array = host_array(value)
+            return (array.T if src.transpose else array).reshape(shape)
+
+        out[src.name] = Deferred(shape, np.dtype(value.dtype), fetch)
     return out
 
 

@@ -1,5 +1,7 @@
 """A parameter placement plan: automatic rules, user overrides, validation, and shardings."""
 
+import warnings
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -9,7 +11,7 @@ from .grouped_axes import named_sharding
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
 from .rules import (Placement, check_rules_format, check_spec_fits, first_matching_rule,
-                    format_plan, format_rules, generalize_rules)
+                    format_plan, format_rules, generalize_rules, rule_matches)
 
 
 class ShardingPlan:
@@ -26,6 +28,7 @@ class ShardingPlan:
         if user_rules:
             check_rules_format(user_rules)
             placements = [self._apply_user_rule(pl, user_rules) for pl in placements]
+            warn_unmatched_rules(user_rules, placements)
         if fsdp:
             placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1),
                                          n_model_shards=self.axis_sizes.get("mp", 1))
@@ -64,3 +67,15 @@ class ShardingPlan:
         return format_plan(self.placements, self.axis_sizes)
 
 
+
+
+def warn_unmatched_rules(user_rules, placements):
+    """A rule that matches no parameter is most likely a typo: say which (placement unchanged)."""
+    for regexes, spec in user_rules:
+        regexes = (regexes,) if isinstance(regexes, str) else tuple(regexes)
+        if not any(rule_matches(regexes, pl.path) for pl in placements):
+            example = "/".join(placements[0].path) if placements else "(none)"
+            warnings.warn(f"params_sharding_rules: the rule ({regexes!r}, {spec}) matches no "
+                          f"parameter, so it does nothing. Fix: correct its regexes (each fully "
+                          f"matches consecutive path entries, e.g. {example}) or remove it.",
+                          stacklevel=3)

@@ -1,0 +1,77 @@
+"""Checks of user arguments, run before any work, each failing with the cause and the fix."""
+
+import numbers
+
+from .errors import ConfigError
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(name, value, hint=""):
+    """``value`` must be an integer >= 1."""
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"{name}={value!r}; it must be a positive integer.{hint}")
+    return int(value)
+
+
+def optional_positive_int(name, value, hint=""):
+    """None or 0 (off), or an integer >= 1."""
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise ConfigError(f"{name}={value!r}; it must be a positive integer, or None (or 0) for "
+                          f"never.{hint}")
+    return int(value)
+
+
+def non_negative_int(name, value):
+    if not _is_int(value) or value < 0:
+        raise ConfigError(f"{name}={value!r}; it must be an integer >= 0.")
+    return int(value)
+
+
+def non_empty_examples(name, examples):
+    """Examples must be a non-empty sequence (len and indexing)."""
+    if examples is None:
+        return
+    try:
+        n = len(examples)
+    except TypeError:
+        return  # not a sized sequence: the data pipeline reports what it accepts
+    if n == 0:
+        raise ConfigError(f"{name} is empty. Fix: pass at least one example"
+                          + (", or eval_examples=None to skip evaluation." if name == "eval_examples"
+                             else "."))
+
+
+def fit_args(per_device_batch_size, n_epochs, eval_examples, eval_per_device_batch_size,
+             save_every_n_steps, save_every_k_epochs, keep_last_n_ckpts, log_every_n_steps,
+             train_examples):
+    """Every argument of ``Trainer.fit`` that a typo can make wrong, checked before any work."""
+    from .checkpoint import check_keep_last_n
+
+    positive_int("per_device_batch_size", per_device_batch_size)
+    non_negative_int("n_epochs", n_epochs)
+    positive_int("log_every_n_steps", log_every_n_steps)
+    if eval_per_device_batch_size is not None:
+        positive_int("eval_per_device_batch_size", eval_per_device_batch_size)
+    optional_positive_int("save_every_n_steps", save_every_n_steps)
+    optional_positive_int("save_every_k_epochs", save_every_k_epochs)
+    check_keep_last_n(keep_last_n_ckpts)
+    non_empty_examples("train_examples", train_examples)
+    non_empty_examples("eval_examples", eval_examples)
+
+
+def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None):
+    """The functions and optimizer given to ``Trainer``."""
+    if not callable(collate_fn):
+        raise ConfigError(f"collate_fn is {type(collate_fn).__name__}, not a function. Fix: pass "
+                          "a function from a list of examples to a dict of arrays.")
+    if not callable(loss_fn) and not (loss_fn is None and train_step_fn is not None):
+        raise ConfigError(f"loss_fn is {type(loss_fn).__name__}, not a function. Fix: pass "
+                          "loss_fn(rng, state, params, batch, is_training) -> scalar loss.")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ConfigError(f"optimizer is {type(optimizer).__name__}, not an optax optimizer. Fix: "
+                          "pass an optax.GradientTransformation, e.g. optax.adamw(1e-4).")

@@ -1,0 +1,203 @@
+"""A run's workdir: local or remote paths, one run at a time (a lock), earlier runs moved aside.
+
+Local paths are made absolute; URLs (``gs://bucket/run``, any scheme Orbax and ``etils.epath``
+read) are kept as given. The lock is a small JSON file naming the run that holds the workdir
+(host, pid, start time, and a sign of life its holder refreshes every minute); a lock whose
+process is gone (same host: pid no longer alive; another host: no sign of life for
+``STALE_AFTER_S``) is stale and taken over with a warning, so a run restarted on other machines
+after a preemption continues without help. In a multi-process run process 0 takes the lock and
+every process learns the outcome, so all of them stop together or none does.
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+
+from etils import epath
+
+from .errors import CheckpointError
+
+LOCK_NAME = "redcoast.lock"
+REFRESH_S = 60.0       # the holder rewrites its sign of life this often
+STALE_AFTER_S = 600.0  # a lock from another host without sign of life for this long is stale
+
+
+def is_url(path):
+    return "://" in str(path)
+
+
+def absolute(path):
+    """``path`` as a string: absolute if local, unchanged if a URL."""
+    return str(path) if is_url(path) else os.path.abspath(path)
+
+
+def join(*parts):
+    return str(epath.Path(parts[0]).joinpath(*parts[1:])) if is_url(parts[0]) else os.path.join(*parts)
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _this_run():
+    now = time.time()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "alive": now}
+
+
+def agree(flag):
+    """Process 0's ``flag`` on every process (decisions about shared files made once)."""
+    import jax
+    if jax.process_count() == 1:
+        return bool(flag)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    return bool(int(multihost_utils.broadcast_one_to_all(np.int32(bool(flag)))))
+
+
+class WorkdirLock:
+    """Held by one run while it trains in ``workdir``; ``acquire()`` raises if another run holds it."""
+
+    def __init__(self, workdir, logger=None):
+        self.path = epath.Path(absolute(workdir)) / LOCK_NAME
+        self.logger = logger
+        self.held = False
+        self._stop = self._thread = None
+
+    def acquire(self):
+        """Take the lock (process 0), and agree on the outcome with every process."""
+        import jax
+        error = None
+        if jax.process_index() == 0:
+            try:
+                self._acquire_here()
+            except CheckpointError as e:
+                error = e
+        if jax.process_count() > 1:
+            if agree(error is not None) and error is None:
+                raise CheckpointError(f"Process 0 could not lock the workdir ({self.path}); its "
+                                      "error names the run holding it. Fix: see process 0's error.")
+        if error is not None:
+            raise error
+        return self
+
+    def _acquire_here(self):
+        me = _this_run()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            if self._create(me):
+                self._hold(me)
+                return
+            holder = self._read()
+            if holder is None:  # vanished or half-written while we looked: try once more
+                continue
+            if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+                self._hold(me)  # this process already holds it (a second fit)
+                return
+            silent = time.time() - float(holder.get("alive", holder.get("started", 0)))
+            same_host = holder.get("host") == me["host"]
+            if same_host and not _pid_alive(int(holder.get("pid", -1))) or (
+                    not same_host and silent > STALE_AFTER_S):
+                why = ("which is no longer running (a crash?)" if same_host else
+                       f"which has shown no sign of life for {silent:.0f} s")
+                self._warn(f"the workdir lock {self.path} was left by process {holder.get('pid')} "
+                           f"on {holder.get('host')}, {why}; taking it over.")
+                self.path.unlink(missing_ok=True)
+                continue
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+            raise CheckpointError(
+                f"The workdir {self.path.parent} is in use by another run (process "
+                f"{holder.get('pid')} on host {holder.get('host')}, started {started}, last sign "
+                f"of life {max(silent, 0):.0f} s ago); two runs writing the same checkpoints would "
+                "destroy each other's. Fix: wait for that run to end or use another workdir; a "
+                f"lock whose run is gone is taken over by itself (after {STALE_AFTER_S:.0f} s "
+                f"without sign of life if it was on another host), or delete {self.path}.")
+        raise CheckpointError(f"Could not take the workdir lock {self.path}. Fix: delete it if "
+                              "no run uses this workdir.")
+
+    def _hold(self, me):
+        """Hold the lock, refreshing its sign of life from a background thread."""
+        self.held = True
+        self._stop = threading.Event()
+
+        def refresh():
+            while not self._stop.wait(REFRESH_S):
+                try:
+                    self._write({**me, "alive": time.time()})
+                except OSError:  # a full or vanished disk must not kill the run
+                    pass
+
+        self._thread = threading.Thread(target=refresh, daemon=True, name="redcoast-workdir-lock")
+        self._thread.start()
+
+    def _write(self, record):
+        if is_url(self.path):
+            self.path.write_text(json.dumps(record))
+            return
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record))
+        os.replace(tmp, self.path)
+
+    def _create(self, me):
+        text = json.dumps(me)
+        if is_url(self.path):  # object stores have no exclusive create: check, then write
+            if self.path.exists():
+                return False
+            self.path.write_text(text)
+            return True
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return True
+
+    def _read(self):
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def release(self):
+        import jax
+        if self._thread is not None:  # no refresh may recreate the file after it is removed
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self.held and jax.process_index() == 0:
+            holder = self._read()
+            if holder is not None and holder.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+        self.held = False
+
+    def _warn(self, text):
+        if self.logger is not None:
+            self.logger.warning(text)
+        else:
+            print(f"WARNING: {text}")
+
+
+def move_aside(directory, reason, logger=None):
+    """Rename ``directory`` to ``<directory>.<reason>-<UTC time>`` (process 0); the new name."""
+    import jax
+    src = epath.Path(absolute(directory))
+    dst = src.parent / f"{src.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    if jax.process_index() == 0:
+        n = 1
+        while dst.exists():
+            dst = dst.parent / f"{dst.name.split('~')[0]}~{n}"
+            n += 1
+        src.rename(dst)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"redcoast.move_aside:{src}")
+    return str(dst)

@@ -1,0 +1,386 @@
+"""Fault trials: each fault is either survived (checked against an independent answer) or stopped
+early with a redcoast error naming the cause and the fix. Tiny models, a few steps each."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from redcoast import (CheckpointError, ConfigError, Deployer, LossError, NonFiniteLossError,
+                      Trainer)
+from redcoast.checkpoint import CheckpointStore
+from redcoast.workdir import LOCK_NAME, STALE_AFTER_S, WorkdirLock, absolute
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+W_TRUE = np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
+
+
+def examples(n=32, seed=0):
+    x = np.random.RandomState(seed).normal(size=(n, 4)).astype(np.float32)
+    return [{"x": xi, "y": xi @ W_TRUE[:, 0]} for xi in x]
+
+
+def collate(rows):
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def mse(rng, state, params, batch, is_training):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((pred[:, 0] - batch["y"]) ** 2)
+
+
+def linear_trainer(workdir=None, lr=0.1, loss=mse, rules=None):
+    """A linear regression on 8 devices: 32 examples, batch 8, 4 updates per epoch."""
+    deployer = Deployer(jax_seed=0, workdir=None if workdir is None else str(workdir), verbose=False)
+    params = {"w": np.zeros((4, 1), np.float32), "b": np.zeros((1,), np.float32)}
+    return Trainer(deployer, collate, None, loss, params, optax.sgd(lr),
+                   params_sharding_rules=rules)
+
+
+def host(tree):
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def assert_trees_equal(a, b):
+    jax.tree_util.tree_map(np.testing.assert_array_equal, host(a), host(b))
+
+
+def restored_params(workdir, like_trainer):
+    store = CheckpointStore(os.path.join(workdir, "checkpoints", "steps"))
+    meta = like_trainer.restore_checkpoint(store)
+    store.close()
+    return meta, host(like_trainer.params)
+
+
+# -- 1. resume=False never loses the new run; no save is skipped; one run per workdir ----------
+
+def test_resume_false_moves_the_earlier_run_aside_and_saves_the_new_one(tmp_path):
+    earlier = linear_trainer(tmp_path, lr=0.1)
+    earlier.fit(examples(), 1, 1, save_last_ckpt=True)
+    new = linear_trainer(tmp_path, lr=0.02)
+    new.fit(examples(), 1, 1, save_last_ckpt=True, resume=False)
+    meta, params = restored_params(tmp_path, linear_trainer())
+    assert meta["step"] == 4
+    assert_trees_equal(params, new.params)  # the new run's, not the earlier one's
+    assert not np.allclose(params["w"], host(earlier.params)["w"])
+    aside = [n for n in os.listdir(tmp_path) if n.startswith("checkpoints.earlier-run-")]
+    assert len(aside) == 1 and os.listdir(tmp_path / aside[0] / "steps") == ["4"]
+    log = (tmp_path / "log.txt").read_text()
+    assert "resume=False: the checkpoints of an earlier run" in log and aside[0] in log
+
+
+def test_a_step_on_disk_from_another_run_is_never_silently_kept(tmp_path):
+    state = {"w": jnp.ones(3)}
+    first = CheckpointStore(tmp_path, async_save=False)
+    first.save(7, state, {"run": "first"})
+    first.close()
+    second = CheckpointStore(tmp_path, async_save=False)
+    with pytest.raises(CheckpointError, match=r"Cannot save step 7: .*7 already holds a "
+                                              r"checkpoint that this run did not write.*Fix"):
+        second.save(7, {"w": jnp.zeros(3)}, {"run": "second"})
+    second.close()
+
+
+def test_a_workdir_in_use_by_a_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"host": socket.gethostname(), "pid": holder.pid, "started": time.time()}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(lock))
+        with pytest.raises(CheckpointError, match=rf"in use by another run \(process {holder.pid} "
+                                                  r"on host .*Fix: wait for that run"):
+            linear_trainer(tmp_path).fit(examples(), 1, 1, save_last_ckpt=True)
+        assert not (tmp_path / "checkpoints").exists()  # refused before any work
+    finally:
+        holder.kill()
+        holder.wait()
+    trainer = linear_trainer(tmp_path)  # the holder is gone: its lock is stale
+    trainer.fit(examples(), 1, 1, save_last_ckpt=True)
+    assert f"left by process {holder.pid}" in (tmp_path / "log.txt").read_text()
+    assert not (tmp_path / LOCK_NAME).exists()  # released at the end
+    assert os.listdir(tmp_path / "checkpoints" / "steps") == ["4"]
+
+
+def test_a_lock_from_another_host_is_refused_while_alive_and_taken_over_when_silent(tmp_path):
+    def lock_from_elsewhere(silent_s):
+        record = {"host": "elsewhere", "pid": 1, "started": time.time() - 1e4,
+                  "alive": time.time() - silent_s}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(record))
+
+    lock_from_elsewhere(silent_s=5)
+    with pytest.raises(CheckpointError, match=r"in use by another run \(process 1 on host "
+                                              r"elsewhere.*last sign of life 5 s ago"):
+        WorkdirLock(tmp_path).acquire()
+    lock_from_elsewhere(silent_s=STALE_AFTER_S + 60)  # its machines were preempted
+    lock = WorkdirLock(tmp_path, logger=None).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+# -- 2. restores that fail are reported as what they are ----------------------------------------
+
+def test_an_nnx_module_as_params_restores(tmp_path):
+    from flax import nnx
+
+    class Net(nnx.Module):  # a list of layers: int and str keys side by side in its pytree
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(4, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def loss(rng, state, module, batch, is_training):
+        return jnp.mean((module(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+    def trainer():
+        deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+        return Trainer(deployer, collate, None, loss, Net(nnx.Rngs(0)), optax.adam(1e-2))
+
+    saver = trainer()
+    saver.fit(examples(), 1, 1, save_last_ckpt=True)
+    restorer = trainer()
+    store = CheckpointStore(tmp_path / "checkpoints" / "steps")
+    meta = restorer.restore_checkpoint(store)
+    store.close()
+    assert meta is not None and restorer.step == 4
+    assert_trees_equal(nnx.state(restorer.params), nnx.state(saver.params))
+    assert_trees_equal(restorer.state.opt_state, saver.state.opt_state)
+
+
+def truncate_files(directory):
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "r+b") as f:
+                f.truncate(0)
+
+
+def test_a_damaged_checkpoint_is_moved_aside_when_its_step_is_saved_again(tmp_path):
+    uninterrupted = linear_trainer(tmp_path)
+    uninterrupted.fit(examples(), 1, 1, save_every_n_steps=2)  # steps 2 and 4
+    steps = tmp_path / "checkpoints" / "steps"
+    truncate_files(steps / "4")
+    again = linear_trainer(tmp_path)
+    again.fit(examples(), 1, 1, save_every_n_steps=2)  # resumes from 2, saves 4 anew
+    assert_trees_equal(again.params, uninterrupted.params)
+    assert [n for n in os.listdir(steps) if n.startswith("4.damaged-")]
+    meta, params = restored_params(tmp_path, linear_trainer())
+    assert meta["step"] == 4
+    assert_trees_equal(params, uninterrupted.params)
+    assert "moved the damaged checkpoint" in (tmp_path / "log.txt").read_text()
+
+
+def test_checkpoints_that_exist_but_none_restores_stop_fit(tmp_path):
+    linear_trainer(tmp_path).fit(examples(), 1, 1, save_every_n_steps=2)  # steps 2 and 4
+    truncate_files(tmp_path / "checkpoints" / "steps")
+    trainer = linear_trainer(tmp_path)
+    with pytest.raises(CheckpointError, match=r"(?s)None of the 2 checkpoint\(s\) in .* restores:"
+                                              r".*/2: is damaged.*/4: is damaged.*Fix: resume=False"):
+        trainer.fit(examples(), 1, 1, save_every_n_steps=2)
+    assert trainer.step == 0
+
+
+# -- 3. keep_last_n_ckpts never deletes every checkpoint -----------------------------------------
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_keep_last_n_ckpts_below_one_is_refused(tmp_path, keep):
+    trainer = linear_trainer(tmp_path)
+    with pytest.raises(ConfigError, match=rf"keep_last_n_ckpts={keep} would keep no checkpoint.*Fix"):
+        trainer.fit(examples(), 1, 1, save_every_n_steps=1, keep_last_n_ckpts=keep)
+    assert trainer.step == 0 and not (tmp_path / "checkpoints").exists()
+
+
+# -- 4. after a NaN loss the parameters in memory are the last finite ones ------------------------
+
+def test_after_a_nan_loss_params_are_the_last_finite_ones(tmp_path):
+    def nan_from_step_two(rng, state, params, batch, is_training):  # NaN gradients too
+        return mse(rng, state, params, batch, is_training) * jnp.where(state.step >= 2, jnp.nan, 1.0)
+
+    trainer = linear_trainer(tmp_path, loss=nan_from_step_two)
+    with pytest.raises(NonFiniteLossError, match="at step 2"):
+        trainer.fit(examples(), 1, 1, save_every_n_steps=2, log_every_n_steps=100)
+    finite = linear_trainer()  # the same run with a finite loss, stopped after 2 updates
+    finite.train(examples(), 1, after_step=lambda position: position == 2)
+    assert_trees_equal(trainer.params, finite.params)
+    assert_trees_equal(trainer.state.opt_state, finite.state.opt_state)
+    meta, saved = restored_params(tmp_path, linear_trainer())
+    assert meta["step"] == 2
+    assert_trees_equal(saved, finite.params)
+
+
+# -- 5. redcoast launch: hangs, early exits and busy ports end the launch, naming the culprit ----
+
+def launch(args, tmp_path, script, timeout=60):
+    (tmp_path / "job.py").write_text(textwrap.dedent(script))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "redcoast.launch", *args, str(tmp_path / "job.py")],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_launch_a_hung_process_is_named(tmp_path):
+    start = time.monotonic()
+    code, out = launch(["-n", "2", "--stall-timeout", "2"], tmp_path, """
+        import os, time
+        i = int(os.environ["REDCOAST_PROCESS_ID"])
+        print(f"process {i} starts", flush=True)
+        if i == 0:
+            time.sleep(0.5)
+            print("process 0 waits for its peer", flush=True)
+        time.sleep(120)  # process 1 hangs before ever answering
+    """)
+    assert time.monotonic() - start < 60
+    assert code == 1, out
+    assert "FAILED: process 1 of 2" in out and "made no progress" in out
+    assert "Fix: find where process 1 waits" in out
+
+
+def test_launch_an_early_exit_0_is_a_failure_named(tmp_path):
+    code, out = launch(["-n", "2", "--exit-timeout", "1"], tmp_path, """
+        import os, sys, time
+        if os.environ["REDCOAST_PROCESS_ID"] == "1":
+            print("leaving early", flush=True)
+            sys.exit(0)
+        time.sleep(120)
+    """)
+    assert code == 1, out
+    assert "FAILED: process 1 of 2" in out and "exited with code 0" in out
+    assert "[1] leaving early" in out.split("FAILED")[1]  # its own output in the report
+
+
+def test_launch_a_port_in_use_is_named_before_starting(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out = launch(["-n", "2", "--port", str(port)], tmp_path, "print('started')")
+    assert code == 2, out
+    assert f"port {port} on 127.0.0.1 is already in use" in out and "Fix" in out
+    assert "started" not in out
+
+
+# -- 6. arguments are checked before any work ------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(per_device_batch_size=0), r"per_device_batch_size=0; it must be a positive integer"),
+    (dict(per_device_batch_size=-2), r"per_device_batch_size=-2; it must be a positive integer"),
+    (dict(log_every_n_steps=0), r"log_every_n_steps=0; it must be a positive integer"),
+    (dict(n_epochs=-1), r"n_epochs=-1; it must be an integer >= 0"),
+    (dict(eval_examples=[]), r"eval_examples is empty.*eval_examples=None"),
+    (dict(save_every_n_steps=-5), r"save_every_n_steps=-5"),
+])
+def test_bad_fit_arguments_are_refused_before_any_work(kwargs, message):
+    trainer = linear_trainer()
+    args = {"train_examples": examples(), "per_device_batch_size": 1, "n_epochs": 1, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        trainer.fit(**args)
+    assert trainer.step == 0
+
+
+def test_a_learning_rate_for_an_optimizer_is_refused_at_once():
+    deployer = Deployer(verbose=False)
+    with pytest.raises(ConfigError, match=r"optimizer is float, not an optax optimizer.*Fix"):
+        Trainer(deployer, collate, None, mse, {"w": np.zeros((4, 1), np.float32)}, 1e-3)
+
+
+def test_an_integer_loss_is_refused():
+    def rounded(rng, state, params, batch, is_training):
+        return jnp.round(mse(rng, state, params, batch, is_training)).astype(jnp.int32)
+
+    with pytest.raises(LossError, match=r"dtype int32; it must be floating-point.*Fix"):
+        linear_trainer(loss=rounded).train(examples(), 1)
+
+
+def test_a_sharding_rule_that_matches_nothing_is_named():
+    from jax.sharding import PartitionSpec as P
+    with pytest.warns(UserWarning, match=r"the rule \(\('kernel',\), (P|PartitionSpec)\(\)\) matches "
+                                         r"no parameter.*Fix"):
+        linear_trainer(rules=[(("kernel",), P()), (("w",), P())])
+
+
+# -- 7. operator side: logs on disk, streamed exports that keep the dtype, remote paths ----------
+
+def _scalars(logdir):
+    from tensorboardX.proto import event_pb2
+    values = []
+    for name in os.listdir(logdir):
+        data = open(os.path.join(logdir, name), "rb").read()
+        pos = 0
+        while pos + 12 <= len(data):  # TFRecord: length, its CRC, the event, its CRC
+            n = int.from_bytes(data[pos:pos + 8], "little")
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            values += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+            pos += 12 + n + 4
+    return values
+
+
+def test_tensorboard_scalars_are_on_disk_at_once_and_the_writer_closes(tmp_path):
+    with Deployer(workdir=str(tmp_path), verbose=False, run_tensorboard=True) as deployer:
+        for step in range(3):
+            deployer.log_metrics({"loss": 1.0 / (step + 1)}, step)
+        assert _scalars(tmp_path / "tensorboard") == [("loss", s, pytest.approx(1.0 / (s + 1)))
+                                                      for s in range(3)]
+    assert deployer.logger._tb is None  # closed at the end of the block
+
+
+def test_save_pretrained_streams_one_tensor_at_a_time_and_keeps_bf16(tmp_path):
+    from safetensors import safe_open
+
+    from redcoast.models.hf import save_folder
+    from redcoast.tensor_files import Deferred
+
+    alive, peak = [0], [0]
+
+    def fetch(i):
+        def make():
+            array = np.full((64, 32), i, ml_dtypes.bfloat16)
+            alive[0] += 1
+            peak[0] = max(peak[0], alive[0])
+            weakref.finalize(array, lambda: alive.__setitem__(0, alive[0] - 1))
+            return array
+        return make
+
+    tensors = {f"layer{i}.weight": Deferred((64, 32), ml_dtypes.bfloat16, fetch(i)) for i in range(6)}
+    tensors["bias"] = jnp.arange(5, dtype=jnp.bfloat16)
+    save_folder(str(tmp_path), {"model_type": "test"}, tensors)
+    assert peak[0] == 1  # never two of them in host memory at once
+    with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+        assert f.metadata() == {"format": "pt"}
+        for i in range(6):
+            got = f.get_tensor(f"layer{i}.weight")
+            assert got.dtype == ml_dtypes.bfloat16 and np.all(got == i)
+        np.testing.assert_array_equal(f.get_tensor("bias"), np.arange(5, dtype=ml_dtypes.bfloat16))
+
+
+def test_export_params_keeps_the_dtype_and_reads_back(tmp_path):
+    from safetensors import safe_open
+
+    from redcoast.export import load_params
+    deployer = Deployer(verbose=False)
+    params = {"dense": {"kernel": jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4),
+                        "bias": jnp.ones(4, jnp.float32)}, "step": jnp.int32(3)}
+    deployer.export_params(params, str(tmp_path / "out" / "model.safetensors"))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="numpy") as f:
+        assert f.get_tensor("dense.kernel").dtype == ml_dtypes.bfloat16
+    assert_trees_equal(load_params(str(tmp_path / "out" / "model.safetensors"), params), params)
+    assert os.listdir(tmp_path / "out") == ["model.safetensors"]  # no temporary file left
+
+
+def test_remote_workdirs_are_kept_as_urls_and_local_paths_made_absolute(tmp_path, monkeypatch):
+    assert absolute("gs://bucket/runs/a") == "gs://bucket/runs/a"
+    monkeypatch.chdir(tmp_path)
+    assert absolute("runs/a") == str(tmp_path / "runs" / "a")
+    assert CheckpointStore("ckpts").directory == str(tmp_path / "ckpts")
