@@ -46,15 +46,15 @@ def by_keyword(fn, names, copy_batch=False):
     if fn is None or getattr(fn, "_redcoast_by_keyword", False):
         return fn
     keywords = _keyword_names(fn, names)
-    batch_at = names.index("batch") if copy_batch and "batch" in names else None
+    batch_at = copy_batch and "batch" in names or None
 
     @functools.wraps(fn)
-    def call(*args):
-        if batch_at is not None and isinstance(args[batch_at], Mapping):
-            args = args[:batch_at] + (dict(args[batch_at]),) + args[batch_at + 1:]
+    def call(*args, **kwargs):  # redcoast passes positionally, redco-style code by keyword
+        given = dict(zip(names, args), **kwargs)
+        if batch_at is not None and isinstance(given.get("batch"), Mapping):
+            given["batch"] = dict(given["batch"])
         if keywords is None:
-            return fn(*args)
-        given = dict(zip(names, args))
+            return fn(*[given[n] for n in names])
         return fn(*[given[n] for n in names if n not in keywords],
                   **{n: given[n] for n in keywords})
 
