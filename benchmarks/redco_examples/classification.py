@@ -197,7 +197,7 @@ def main(sent0_key='sentence',
     # added for the comparison: final eval loss and accuracy
     offline.report('eval_loss', trainer.eval_loss(
         examples=dataset['validation'], per_device_batch_size=per_device_batch_size))
-    preds = predictor.predict(examples=dataset['validation'], params=trainer.params,
+    preds = predictor.predict(examples=dataset['validation'], params=trainer.state.params,
                               per_device_batch_size=per_device_batch_size)
     offline.report('acc', eval_metric_fn(dataset['validation'], preds, label_key, is_regression)['acc'])
 

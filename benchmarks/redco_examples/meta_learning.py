@@ -218,7 +218,7 @@ def main(n_ways=5,
         eval_metric_fn=eval_metric_fn)
 
     # added for the comparison: final accuracy on the eval tasks
-    preds = predictor.predict(examples=eval_examples, params=trainer.params,
+    preds = predictor.predict(examples=eval_examples, params=trainer.state.params,
                               per_device_batch_size=per_device_batch_size)
     offline.report('acc', eval_metric_fn(preds=preds, examples=eval_examples)['acc'])
 

@@ -125,7 +125,7 @@ def main(per_device_batch_size=8,
     # added for the comparison: final eval loss and accuracy
     offline.report('eval_loss', trainer.eval_loss(
         examples=dataset['test'], per_device_batch_size=per_device_batch_size))
-    preds = predictor.predict(examples=dataset['test'], params=trainer.params,
+    preds = predictor.predict(examples=dataset['test'], params=trainer.state.params,
                               per_device_batch_size=per_device_batch_size)
     offline.report('acc', eval_metric_fn(dataset['test'], preds)['acc'])
 

@@ -27,10 +27,11 @@ def word_tokenizer(words=WORDS, roberta_style=True):
             single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
             special_tokens=[("<s>", 0), ("</s>", 2)])
         return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                       pad_token="<pad>", unk_token="<unk>")
+                                       pad_token="<pad>", unk_token="<unk>",
+                                       model_input_names=["input_ids", "attention_mask"])
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
+                                   unk_token="<unk>", model_input_names=["input_ids", "attention_mask"])
 
 
 def report(name, value):
