@@ -198,6 +198,8 @@ def main(sent0_key='sentence',
     offline.report('eval_loss', trainer.eval_loss(
         examples=dataset['validation'], per_device_batch_size=per_device_batch_size))
     preds = predictor.predict(examples=dataset['validation'], params=trainer.state.params,
+                              params_replicated=(trainer.mesh is None),
+                              params_sharded=(trainer.mesh is not None),
                               per_device_batch_size=per_device_batch_size)
     offline.report('acc', eval_metric_fn(dataset['validation'], preds, label_key, is_regression)['acc'])
 

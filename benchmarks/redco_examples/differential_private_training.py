@@ -210,6 +210,8 @@ def main(global_batch_size=64,
     offline.report('eval_loss', trainer.eval_loss(
         examples=dataset['test'], per_device_batch_size=per_device_batch_size))
     preds = predictor.predict(examples=dataset['test'], params=trainer.state.params,
+                              params_replicated=(trainer.mesh is None),
+                              params_sharded=(trainer.mesh is not None),
                               per_device_batch_size=per_device_batch_size)
     offline.report('acc', eval_metric_fn(dataset['test'], preds)['acc'])
 

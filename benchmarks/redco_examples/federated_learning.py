@@ -109,8 +109,9 @@ class FedAvgServer:
             per_device_batch_size=per_device_batch_size,
             n_epochs=n_epochs)
 
-        return self._trainer.state.params   # offline: redco's example used trainer.params, which
-        # redco 0.4.23's Trainer does not have (trainer.state.params works on both)
+        # not offline but for the comparison: redco's example returns trainer.params, which redco
+        # 0.4.23's Trainer lacks (redcoast has it); get_params_to_save() works on both
+        return self._trainer.get_params_to_save()
 
     def test(self, examples, per_device_batch_size):
         preds = self._predictor.predict(

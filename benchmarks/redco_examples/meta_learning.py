@@ -219,6 +219,8 @@ def main(n_ways=5,
 
     # added for the comparison: final accuracy on the eval tasks
     preds = predictor.predict(examples=eval_examples, params=trainer.state.params,
+                              params_replicated=(trainer.mesh is None),
+                              params_sharded=(trainer.mesh is not None),
                               per_device_batch_size=per_device_batch_size)
     offline.report('acc', eval_metric_fn(preds=preds, examples=eval_examples)['acc'])
 

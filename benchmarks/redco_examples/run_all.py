@@ -12,7 +12,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-EXAMPLES = ["language_modeling", "classification", "text_to_text", "mnist", "meta_learning"]
+EXAMPLES = ["language_modeling", "classification", "text_to_text", "mnist", "meta_learning",
+            "differential_private_training", "federated_learning", "lora"]
 
 
 def run(name, run_on):

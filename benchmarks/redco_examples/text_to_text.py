@@ -223,6 +223,8 @@ def main(src_key='src',
     offline.report('eval_loss', trainer.eval_loss(
         examples=dataset['validation'], per_device_batch_size=per_device_batch_size))
     preds = predictor.predict(examples=dataset['validation'], params=trainer.state.params,
+                              params_replicated=(trainer.mesh is None),
+                              params_sharded=(trainer.mesh is not None),
                               per_device_batch_size=per_device_batch_size)
     offline.report('rougeL', eval_rouge(dataset['validation'], preds, tgt_key)['rougeL'])
 
