@@ -60,6 +60,7 @@ def test_user_functions_are_called_by_keyword_where_they_name_the_argument():
     called = by_keyword(functools.partial(maml_loss, model="M"), LOSS_FN_ARGS)
     assert called("R", "S", "P", {"b": 1}, True) == ("R", "S", "P", {"b": 1}, True, "M")
     assert by_keyword(lambda *a: a, LOSS_FN_ARGS)(1, 2, 3, 4, 5) == (1, 2, 3, 4, 5)
+    assert by_keyword(lambda **kw: kw, PRED_FN_ARGS)("R", "P", "B") == {"rng": "R", "params": "P", "batch": "B"}
 
     batch = {"x": 1, "labels": 2}
     popping = by_keyword(lambda rng, params, batch: batch.pop("labels"), PRED_FN_ARGS, copy_batch=True)

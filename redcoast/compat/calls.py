@@ -27,6 +27,8 @@ def _keyword_names(fn, names):
         return None
     by_name = {n for n, p in signature.parameters.items()
                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+        by_name |= set(names)  # def loss_fn(**kwargs): redco passed every argument by name
     keywords = tuple(n for n in names if n in by_name)
     positional = [object()] * (len(names) - len(keywords))
     try:
