@@ -129,6 +129,8 @@ def test_log_info_keyword_and_rules_passed_back_mean_automatic(tmp_path):
     rules = deployer.get_sharding_rules(params_shape_or_params=params)
     assert isinstance(rules, AutoShardingRules) and rules
     assert deployer.get_sharding_plan(params, rules).placements == deployer.get_sharding_plan(params).placements
+    rules[0] = (("dense", "kernel"), P("mp"))   # edited: now the user's rule
+    assert deployer.get_sharding_plan(params, rules).param_specs["dense"]["kernel"] == P("mp")
 
 
 def test_rules_per_subtree():

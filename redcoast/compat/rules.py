@@ -16,12 +16,20 @@ from ..sharding.rules import check_rules_format, first_matching_rule
 
 
 class AutoShardingRules(list):
-    """Rules printed from redcoast's automatic plan: passed back, they mean "automatic"."""
+    """Rules printed from redcoast's automatic plan: passed back unchanged, they mean
+    "automatic"; once edited they are the user's rules."""
+
+    def __init__(self, rules):
+        super().__init__(rules)
+        self.as_printed = tuple(rules)
+
+    def edited(self):
+        return tuple(self) != self.as_printed
 
 
 def plain_rules(rules, params):
     """``rules`` in the core's form (a list of (regexes, PartitionSpec), or None for automatic)."""
-    if rules is None or isinstance(rules, AutoShardingRules):
+    if rules is None or (isinstance(rules, AutoShardingRules) and not rules.edited()):
         return None
     if not isinstance(rules, Mapping):
         return rules
