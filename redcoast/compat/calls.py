@@ -48,12 +48,12 @@ def by_keyword(fn, names, copy_batch=False):
     if fn is None or getattr(fn, "_redcoast_by_keyword", False):
         return fn
     keywords = _keyword_names(fn, names)
-    batch_at = copy_batch and "batch" in names or None
+    copies_batch = copy_batch and "batch" in names
 
     @functools.wraps(fn)
     def call(*args, **kwargs):  # redcoast passes positionally, redco-style code by keyword
         given = dict(zip(names, args), **kwargs)
-        if batch_at is not None and isinstance(given.get("batch"), Mapping):
+        if copies_batch and isinstance(given.get("batch"), Mapping):
             given["batch"] = dict(given["batch"])
         if keywords is None:
             return fn(*[given[n] for n in names])
