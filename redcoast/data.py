@@ -7,6 +7,7 @@ prepared in a background thread while the devices compute.
 
 import queue
 import threading
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -39,13 +40,48 @@ def process_rows(mesh, global_rows):
     return start, stop
 
 
+def as_examples(examples):
+    """``examples`` indexable with a length: a list, a sequence, a ``datasets.Dataset``; any other
+    iterable (a generator, an iterable dataset) is read into a list once."""
+    if hasattr(examples, "__len__") and hasattr(examples, "__getitem__"):
+        return examples
+    return list(examples)
+
+
+def examples_by_epoch(train_examples):
+    """``epoch -> that epoch's examples``. ``train_examples`` may be a function of the epoch
+    (called as ``train_examples(epoch_idx=epoch)`` when it names that argument, as redco did, else
+    with the epoch), called once per epoch, or examples for every epoch."""
+    if callable(train_examples) and not hasattr(train_examples, "__getitem__"):
+        from .compat.calls import by_keyword  # redco's calling convention, kept apart
+        make = by_keyword(train_examples, ("epoch_idx",))
+        cache = {}
+
+        def of_epoch(epoch):
+            if epoch not in cache:
+                cache.clear()
+                cache[epoch] = as_examples(make(epoch))
+            return cache[epoch]
+        return of_epoch
+    examples = as_examples(train_examples)
+    return lambda epoch: examples
+
+
 def take(examples, indices):
     """``examples[i]`` for each index: works for lists, sequences and ``datasets.Dataset``."""
     return [examples[int(i)] for i in indices]
 
 
+def _plain_dicts(tree):
+    """Mappings (a tokenizer's ``BatchEncoding``, a FrozenDict) as plain dicts, recursively."""
+    if isinstance(tree, Mapping):
+        return {k: _plain_dicts(v) for k, v in tree.items()}
+    return tree
+
+
 def check_collated(batch, n_rows, where="collate_fn"):
     """Turn ``collate_fn``'s output into a dict of numpy arrays with ``n_rows`` rows, or explain."""
+    batch = _plain_dicts(batch)
     if not isinstance(batch, dict):
         raise DataError(
             f"{where} returned a {type(batch).__name__}; redcoast needs a dict of arrays with the "

@@ -4,6 +4,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import optax
 
 
 @jax.tree_util.register_dataclass
@@ -22,3 +23,9 @@ class TrainState:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    def apply_gradients(self, grads, **changes):
+        """One optimizer update from ``grads`` (Flax's and redco's ``TrainState`` method)."""
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                            opt_state=opt_state, **changes)

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from . import validate
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
-from .data import BatchMaker, epoch_order, padded_batches, prefetch
+from .data import BatchMaker, as_examples, epoch_order, examples_by_epoch, padded_batches, prefetch
 from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
 from .predictor import Predictor
@@ -88,6 +88,7 @@ class Trainer:
         self._train_rng = jax.device_put(deployer.gen_rng(), self._replicated)
         self._eval_rng = jax.device_put(deployer.gen_rng(), self._replicated)
         self._best = {}
+        self._first_epoch = 0  # fit's first epoch when no checkpoint is resumed (redco's last_ckpt_info)
         self.model_shard_memory = {}  # filled when n_model_shards="auto" settles
         self._compile_steps()
 
@@ -262,6 +263,7 @@ class Trainer:
         """
         validate.positive_int("log_every_n_steps", log_every_n_steps)
         k = self.accumulate_grad_batches
+        examples = as_examples(examples)
         order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
         self._settle_model_shards(lambda: self._first_batch(examples, order, per_device_batch_size))
         global_batch = self.deployer.global_batch_size(per_device_batch_size)
@@ -437,6 +439,8 @@ class Trainer:
         if wants_saving and workdir is None:
             raise ConfigError("Saving checkpoints needs a workdir. Fix: pass workdir=... to Deployer.")
         eval_bs = eval_per_device_batch_size or per_device_batch_size
+        examples_of = examples_by_epoch(train_examples)  # a function of the epoch, or fixed examples
+        train_examples = examples_of(self._first_epoch)
         order = epoch_order(len(train_examples), self.deployer.jax_seed, 0, shuffle)
         self._settle_model_shards(lambda: self._first_batch(train_examples, order, per_device_batch_size))
         n_steps = self.updates_per_epoch(len(train_examples), per_device_batch_size)
@@ -454,7 +458,7 @@ class Trainer:
             except BaseException:
                 lock.release()
                 raise
-        start_epoch, start_position = 0, 0
+        start_epoch, start_position = self._first_epoch, 0
         if resume and store is not None and store.steps():
             meta = self.restore_checkpoint(store)
             if meta is not None:
@@ -480,6 +484,8 @@ class Trainer:
                     return check and guard.requested_anywhere()
 
                 for epoch in range(start_epoch, n_epochs):
+                    train_examples = examples_of(epoch)
+                    n_steps = self.updates_per_epoch(len(train_examples), per_device_batch_size)
                     position = start_position if epoch == start_epoch else 0
                     if position < n_steps:
                         position = self.train(train_examples, per_device_batch_size, epoch=epoch,
