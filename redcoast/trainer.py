@@ -94,7 +94,8 @@ class Trainer:
             loss_fn, self.compute_dtype, self.accumulate_grad_batches,
             grad_shardings=self._state_shardings.params,
             fuse_for_model_shards=self.deployer.n_model_shards if self.fuse_matmuls else None,
-            split_weights=split_weight_axes(self.plan.placements), mesh=mesh)
+            split_weights=split_weight_axes(self.plan.compute_placements), mesh=mesh,
+            compute_shardings=self.plan.compute_shardings())
         batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(
             step_fn,
@@ -102,7 +103,7 @@ class Trainer:
             out_shardings=(self._state_shardings, self._replicated),
             donate_argnums=(0,))
         self._eval_step = jax.jit(
-            make_eval_step(loss_fn, self.compute_dtype),
+            make_eval_step(loss_fn, self.compute_dtype, self.plan.compute_shardings()),
             in_shardings=(self._state_shardings, NamedSharding(mesh, P("dp")),
                           NamedSharding(mesh, P("dp")), self._replicated),
             out_shardings=self._replicated)
