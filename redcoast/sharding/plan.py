@@ -4,7 +4,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .auto import auto_placements
-from .fsdp import fsdp_placements
+from .fsdp import fsdp_placements, ungrouped_storage
 from .grouped_axes import named_sharding
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
@@ -26,8 +26,9 @@ class ShardingPlan:
         if user_rules:
             check_rules_format(user_rules)
             placements = [self._apply_user_rule(pl, user_rules) for pl in placements]
-        # where each parameter is used: the tensor-parallel placement, before FSDP
+        # where each parameter is used: the tensor-parallel placement; stored split further
         self.compute_placements = placements
+        placements = ungrouped_storage(placements, n_model_shards)
         if fsdp:
             placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1),
                                          n_model_shards=self.axis_sizes.get("mp", 1))
