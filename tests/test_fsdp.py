@@ -236,3 +236,28 @@ def test_fsdp_adds_only_weight_gathers_to_the_compiled_step():
     # the gradients' sum over 'dp': one all-reduce (or reduce-scatters) of the same bytes
     assert (fsdp.bytes("all-reduce", "dp") + fsdp.bytes("reduce-scatter", "dp")
             <= plain.bytes("all-reduce", "dp"))
+
+
+def test_layout_choice_takes_the_cheapest_that_fits_and_prefers_memory_on_a_tie():
+    from redcoast.layout import Estimate, choose
+
+    def est(mib, seconds):
+        return Estimate(mib * 2**20, 0.0, 0.0, 0, 0.0, seconds)
+
+    assert choose([est(10, 1.0), est(20, 0.5)], budget_bytes=2**30)[0] == 1
+    assert choose([est(10, 1.0), est(20, 0.5)], budget_bytes=15 * 2**20)[0] == 0  # 20 MiB over
+    assert choose([est(10, 1.001), est(20, 1.0)], budget_bytes=2**30)[0] == 0  # a tie: less memory
+    i, why = choose([est(30, 1.0), est(20, 2.0)], budget_bytes=2**20)
+    assert i == 1 and "none fits" in why
+
+
+def test_kv_kept_by_groups_are_stored_split_over_every_model_shard():
+    # 4 KV heads of width 32 on 8 shards: used by groups of 2 shards ('mp:4'), stored 1/8 per
+    # shard (the hand-written Megatron split), unless the width does not divide or a user said so
+    from redcoast.sharding.fsdp import ungrouped_storage
+    kv = Placement(("k", "kernel"), (256, 128), np.float32, P(None, "mp:4"), "traced")
+    narrow = Placement(("k2", "kernel"), (256, 4), np.float32, P(None, "mp:4"), "traced")
+    user = Placement(("k3", "kernel"), (256, 128), np.float32, P(None, "mp:4"), "user rule")
+    got = ungrouped_storage([kv, narrow, user], n_model_shards=8)
+    assert [pl.spec for pl in got] == [P(None, "mp"), P(None, "mp:4"), P(None, "mp:4")]
+    assert ungrouped_storage([kv], n_model_shards=1)[0].spec == P(None, "mp:4")
