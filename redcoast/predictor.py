@@ -40,11 +40,13 @@ class Predictor:
         key = key + (id(owner_plan),)
         if key not in self._compiled:
             plan = owner_plan or self.deployer.get_sharding_plan(params, self.params_sharding_rules)
-            shardings = plan.param_shardings()
+            shardings, used = plan.param_shardings(), plan.compute_shardings()
             mesh = self.deployer.mesh
             pred_fn = laid_out_for(self.pred_fn, self.deployer.n_model_shards)
 
             def step(p, batch, rng, index):
+                # parameters stored split further (FSDP) are gathered where used, not the activations
+                p = jax.lax.with_sharding_constraint(p, used)
                 return pred_fn(jax.random.fold_in(rng, index), p, batch)
 
             jitted = jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, P("dp")),

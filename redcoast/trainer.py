@@ -16,6 +16,7 @@ from .export import save_params
 from .data import BatchMaker, as_examples, epoch_order, examples_by_epoch, padded_batches, prefetch
 from .errors import ConfigError, NonFiniteLossError
 from .host import to_host
+from .layout import Candidate, Layout, choose, estimate, format_table
 from .predictor import Predictor
 from .preemption import PreemptionGuard
 from .sharding.context import laid_out_for
@@ -34,12 +35,13 @@ class Trainer:
     ``(loss, {name: scalar})``; ``params`` arrive in ``compute_dtype``. Parameter placement comes
     from ``params_sharding_rules`` (the paper's format) where given, automatic rules elsewhere.
     ``train_step_fn(state, batch, rng) -> (state, metrics)`` replaces the built-in step.
-    ``fsdp`` (on by default) also splits parameters and optimizer state over the data-parallel
+    ``fsdp=True`` also splits large parameters and their optimizer state over the data-parallel
     axis (ZeRO-3), so each device holds about 1/device_count of them; ``fsdp=False`` keeps one
-    copy per data shard. ``fuse_matmuls`` runs sibling matmuls (Q/K/V, gate/up) of a split model
-    as one, so the step moves Megatron-LM's bytes between model shards; None (default) does so on
-    accelerators and not on CPU devices, whose collectives are memory copies that cost less than
-    the fused weights' copies (measured: +7% step time on 8 simulated CPU devices).
+    copy per data shard. ``fuse_matmuls=True`` runs sibling matmuls (Q/K/V, gate/up) of a split
+    model as one, so the step moves Megatron-LM's bytes between model shards. Left None (the
+    default), each is decided at the first batch from the compiled steps of the candidate layouts
+    (redcoast/layout.py): the fastest by XLA's cost and memory analyses that fits a device;
+    ``trainer.layout`` says which and why.
     ``log_grad_norm=True`` logs the global norm of each update's gradient as ``train_grad_norm``
     (off by default: one more reduction and all-reduce in the step, +12% on a small CPU run).
     Logged throughput: ``train_step_time_s``, ``train_examples_per_s``, ``train_tokens_per_s``
@@ -49,7 +51,7 @@ class Trainer:
 
     def __init__(self, deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
-                 compute_dtype=jnp.float32, train_step_fn=None, fsdp=True, fuse_matmuls=None,
+                 compute_dtype=jnp.float32, train_step_fn=None, fsdp=None, fuse_matmuls=None,
                  log_grad_norm=False):
         validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn)
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
@@ -66,10 +68,12 @@ class Trainer:
 
         self.params_sharding_rules = params_sharding_rules
         self.train_step_fn = train_step_fn
-        self.fsdp = bool(fsdp)
+        # None: chosen at the first batch (_choose_layout); until then FSDP on, fusion off
+        self._to_choose = {"fsdp": fsdp is None, "fuse_matmuls": fuse_matmuls is None}
+        self.fsdp = True if fsdp is None else bool(fsdp)
+        self.fuse_matmuls = bool(fuse_matmuls)
+        self.layout = None  # a redcoast.layout.Layout once the first batch has fixed it
         self.log_grad_norm = bool(log_grad_norm)
-        self.fuse_matmuls = (jax.devices()[0].platform != "cpu" if fuse_matmuls is None
-                             else bool(fuse_matmuls))
         # A first plan from the shapes alone, so the parameters are placed (and trainer.params
         # usable) at once; the first batch refines it from the loss's traced data flow.
         self.plan = deployer.get_sharding_plan(params, params_sharding_rules, fsdp=self.fsdp)
@@ -107,8 +111,8 @@ class Trainer:
             loss_fn, self.compute_dtype, self.accumulate_grad_batches,
             grad_shardings=self._state_shardings.params,
             fuse_for_model_shards=self.deployer.n_model_shards if self.fuse_matmuls else None,
-            split_weights=split_weight_axes(self.plan.placements), mesh=mesh,
-            log_grad_norm=self.log_grad_norm)
+            split_weights=split_weight_axes(self.plan.compute_placements), mesh=mesh,
+            compute_shardings=self.plan.compute_shardings(), log_grad_norm=self.log_grad_norm)
         batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
         self._train_step = jax.jit(
             step_fn,
@@ -116,7 +120,7 @@ class Trainer:
             out_shardings=(self._state_shardings, self._replicated),
             donate_argnums=(0,))
         self._eval_step = jax.jit(
-            make_eval_step(loss_fn, self.compute_dtype),
+            make_eval_step(loss_fn, self.compute_dtype, self.plan.compute_shardings()),
             in_shardings=(self._state_shardings, NamedSharding(mesh, P("dp")),
                           NamedSharding(mesh, P("dp")), self._replicated),
             out_shardings=self._replicated)
@@ -146,20 +150,70 @@ class Trainer:
         if self._plan_final:
             return
         self._plan_final = True
-        plan, source = self._traced_plan(_abstract(example_batch))
+        plan, source, compiled = self._choose_layout(_abstract(example_batch))
         if source.startswith(FALLBACK):  # said always, not only in verbose runs
             self.deployer.log_warning(f"sharding plan from {source}")
-        if not plan.same_placement(self.plan):
-            self._move_to(plan)
+        if compiled:  # the chosen candidate's steps, already compiled for this batch
+            self._adopt_steps(compiled)
+        if compiled or not plan.same_placement(self.plan):
+            self._move_to(plan, recompile=not compiled)
         if self.deployer.verbose:
+            if self.layout.table:
+                self.deployer.log_info(f"{self.layout.name}: {self.layout.reason}.\n{self.layout.table}",
+                                       title="Layout (candidates compiled for the first batch)")
             self.deployer.log_info(self.plan.table(), title=f"Sharding plan (from {source})")
             self.deployer.log_info(self.plan.rules_source(), title="As params_sharding_rules:")
 
-    def _move_to(self, plan):
+    def _candidates(self):
+        """The settings of FSDP and fusion left to choose that can differ on this mesh."""
+        fsdp = [True, False] if self._to_choose["fsdp"] and self.deployer.n_data_shards > 1 else [self.fsdp]
+        fuse = ([False, True] if self._to_choose["fuse_matmuls"] and self.train_step_fn is None
+                and self.deployer.n_model_shards > 1 else [self.fuse_matmuls])
+        return [Candidate(f, m) for f in fsdp for m in fuse]
+
+    def _choose_layout(self, abstract_batch):
+        """(plan, its source, the chosen candidate's compiled steps or None): the plan of each
+        candidate layout traced from the loss; with more than one distinct, each compiled for
+        ``abstract_batch`` and the fastest that fits chosen (layout.py); ``self.layout`` set."""
+        traced, seen = [], set()
+        for c in self._candidates():
+            self.fsdp, self.fuse_matmuls = c.fsdp, c.fuse_matmuls
+            plan, source = self._traced_plan(abstract_batch)
+            key = (tuple(pl.spec for pl in plan.placements),
+                   tuple(pl.spec for pl in plan.compute_placements), c.fuse_matmuls)
+            if key not in seen:
+                seen.add(key)
+                traced.append((c, plan, source))
+        if len(traced) == 1:
+            (c, plan, source), = traced
+            self.fsdp, self.fuse_matmuls = c.fsdp, c.fuse_matmuls
+            self.layout = Layout(c, plan)
+            return plan, source, None
+        steps, estimates = [], []
+        platform = jax.devices()[0].platform
+        for c, plan, _ in traced:
+            self.fsdp, self.fuse_matmuls, self.plan = c.fsdp, c.fuse_matmuls, plan
+            self._compile_steps()
+            compiled = self._lowered_train_step(abstract_batch).compile()
+            estimates.append(estimate(compiled, self.deployer.mesh, platform))
+            steps.append((self._train_step, self._eval_step, self._state_shardings))
+        budget = self.deployer.device_memory_budget()
+        i, why = choose(estimates, budget)
+        c, plan, source = traced[i]
+        self.fsdp, self.fuse_matmuls = c.fsdp, c.fuse_matmuls
+        self.layout = Layout(c, plan, estimates[i], why,
+                             format_table([t[0] for t in traced], estimates, i, budget))
+        return plan, source, steps[i]
+
+    def _adopt_steps(self, compiled):
+        self._train_step, self._eval_step, self._state_shardings = compiled
+
+    def _move_to(self, plan, recompile=True):
         """Adopt ``plan`` (possibly on a new mesh): recompile, move the state and random keys."""
         self.plan = plan
         self._replicated = NamedSharding(self.deployer.mesh, P())
-        self._compile_steps()
+        if recompile:
+            self._compile_steps()
         # donate: the state moves, it is not copied (a model may fill the devices)
         self._state = jax.device_put(self._state, self._state_shardings, donate=True)
         self._train_rng = jax.device_put(self._train_rng, self._replicated)
@@ -203,15 +257,22 @@ class Trainer:
 
     def _step_bytes(self, abstract_micro_batch):
         """Peak bytes per device of the compiled training step (XLA's memory analysis)."""
+        m = self._lowered_train_step(abstract_micro_batch).compile().memory_analysis()
+        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                + m.temp_size_in_bytes)
+
+    def _lowered_train_step(self, abstract_micro_batch):
+        """The training step lowered for the current state shardings and one update's batch."""
         k = self.accumulate_grad_batches
-        batch = abstract_micro_batch if k == 1 else jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), abstract_micro_batch)
+        # placed as the real batches will be, so that the call reuses this compilation
+        batch_sharding = NamedSharding(self.deployer.mesh, P("dp") if k == 1 else P(None, "dp"))
+        batch = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape if k == 1 else (k, *x.shape), x.dtype,
+                                           sharding=batch_sharding), abstract_micro_batch)
         state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                        self._state, self._state_shardings)
         rng = jax.ShapeDtypeStruct(self._train_rng.shape, self._train_rng.dtype, sharding=self._replicated)
-        m = self._train_step.lower(state, batch, rng).compile().memory_analysis()
-        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                + m.temp_size_in_bytes)
+        return self._train_step.lower(state, batch, rng)
 
     @property
     def state(self):

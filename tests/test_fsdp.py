@@ -189,3 +189,75 @@ def test_optimizer_state_specs_divide_their_arrays(name, tx):
         assert np.all(np.isfinite(np.asarray(leaf)))
     dp_leaves = [leaf for _, leaf in leaves if "dp" in str(leaf.sharding.spec)]
     assert dp_leaves  # the large statistics (adafactor's factored rows, adam's moments) are split
+
+
+class EmbedLM(nn.Module):
+    """Embedding (1 MiB, above the FSDP threshold; its vocabulary split over 'mp', its hidden axis
+    over 'dp'), one MLP block, a tied head: the shape that made XLA reshard activations."""
+    vocab: int = 1024
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(self.vocab, D)
+        x = embed(ids)
+        h = nn.LayerNorm()(x)
+        x = x + nn.Dense(D)(nn.gelu(nn.Dense(F // 4)(h)))
+        return embed.attend(nn.LayerNorm()(x))
+
+
+def test_fsdp_adds_only_weight_gathers_to_the_compiled_step():
+    # the FSDP step's collectives are the tensor-parallel step's plus, over 'dp', one all-gather
+    # of each FSDP-split weight (its full size) and the gradient sum: no activation reshards
+    model = EmbedLM()
+    ids = np.random.RandomState(0).randint(0, 1024, (16, 8)).astype(np.int32)
+    params = model.init(jax.random.PRNGKey(0), ids[:1])["params"]
+
+    def lm_loss(rng, state, p, batch, is_training):
+        logits = state.apply_fn({"params": p}, batch["ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"]).mean()
+
+    from redcoast.comms import collective_report
+    reports = {}
+    for fsdp in (False, True):
+        deployer = Deployer(n_model_shards=2, verbose=False)
+        trainer = Trainer(deployer, lambda rows: rows, model.apply, lm_loss, params,
+                          optax.adamw(1e-3), fsdp=fsdp)
+        compiled = trainer.compile_train_step({"ids": ids})
+        reports[fsdp] = collective_report(compiled, deployer.mesh)
+        if fsdp:
+            split = [pl for pl in trainer.plan.placements if "dp" in str(pl.spec)]
+    assert [pl.path for pl in split] == [("Embed_0", "embedding")]
+    plain, fsdp = reports[False], reports[True]
+    assert fsdp.count("all-to-all") == 0
+    assert fsdp.count("collective-permute") == plain.count("collective-permute")
+    assert fsdp.by_kind("mp") == plain.by_kind("mp")
+    assert fsdp.count("all-gather", "dp") == 1
+    assert fsdp.bytes("all-gather", "dp") == 1024 * D * 4 // 2  # the embedding's 'mp' half
+    # the gradients' sum over 'dp': one all-reduce (or reduce-scatters) of the same bytes
+    assert (fsdp.bytes("all-reduce", "dp") + fsdp.bytes("reduce-scatter", "dp")
+            <= plain.bytes("all-reduce", "dp"))
+
+
+def test_layout_choice_takes_the_cheapest_that_fits_and_prefers_memory_on_a_tie():
+    from redcoast.layout import Estimate, choose
+
+    def est(mib, seconds):
+        return Estimate(mib * 2**20, 0.0, 0.0, 0, 0.0, seconds)
+
+    assert choose([est(10, 1.0), est(20, 0.5)], budget_bytes=2**30)[0] == 1
+    assert choose([est(10, 1.0), est(20, 0.5)], budget_bytes=15 * 2**20)[0] == 0  # 20 MiB over
+    assert choose([est(10, 1.001), est(20, 1.0)], budget_bytes=2**30)[0] == 0  # a tie: less memory
+    i, why = choose([est(30, 1.0), est(20, 2.0)], budget_bytes=2**20)
+    assert i == 1 and "none fits" in why
+
+
+def test_kv_kept_by_groups_are_stored_split_over_every_model_shard():
+    # 4 KV heads of width 32 on 8 shards: used by groups of 2 shards ('mp:4'), stored 1/8 per
+    # shard (the hand-written Megatron split), unless the width does not divide or a user said so
+    from redcoast.sharding.fsdp import ungrouped_storage
+    kv = Placement(("k", "kernel"), (256, 128), np.float32, P(None, "mp:4"), "traced")
+    narrow = Placement(("k2", "kernel"), (256, 4), np.float32, P(None, "mp:4"), "traced")
+    user = Placement(("k3", "kernel"), (256, 128), np.float32, P(None, "mp:4"), "user rule")
+    got = ungrouped_storage([kv, narrow, user], n_model_shards=8)
+    assert [pl.spec for pl in got] == [P(None, "mp"), P(None, "mp:4"), P(None, "mp:4")]
+    assert ungrouped_storage([kv], n_model_shards=1)[0].spec == P(None, "mp:4")

@@ -275,7 +275,7 @@ def test_more_model_shards_than_kv_heads_inside_a_predictor(tiny, free_greedy):
     four = redcoast.Deployer(n_model_shards=4, verbose=False)
     plan = four.get_sharding_plan(params, traced_fn=model.apply,
                                   example_args=llama.example_inputs(model.config))
-    specs = {pl.path[-2]: tuple(pl.spec) for pl in plan.placements if pl.path[-1] == "kernel"}
+    specs = {pl.path[-2]: tuple(pl.spec) for pl in plan.compute_placements if pl.path[-1] == "kernel"}
     assert "mp" in specs["q_proj"] and "mp" in specs["o_proj"]
     assert "mp:2" in specs["k_proj"] and "mp:2" in specs["v_proj"]
 

@@ -26,6 +26,24 @@ MP = "mp"
 MIN_BYTES = 1024 * 1024
 
 
+def ungrouped_storage(placements, n_model_shards):
+    """The placements with each split over groups of the model shards (``'mp:g'``, K/V heads
+    kept by the shards of their query heads) stored split over every model shard instead, when
+    the dimension divides: a device keeps 1/n_model_shards of the tensor, not 1/g, and the step
+    gathers it to the groups where it is used (``ShardingPlan.compute_shardings``)."""
+    out = []
+    for pl in placements:
+        spec = tuple(pl.spec)
+        grouped = [d for d, axes in enumerate(spec)
+                   if isinstance(axes, str) and parse_grouped(axes)[1] and parse_grouped(axes)[0] == MP]
+        if pl.reason != "user rule" and n_model_shards > 1 and len(grouped) == 1 and pl.shape[grouped[0]] % n_model_shards == 0:
+            d = grouped[0]
+            why = f"; stored split over all {n_model_shards} model shards, gathered to {spec[d]} where used"
+            pl = dataclasses.replace(pl, spec=spec[:d] + (MP,) + spec[d + 1:], reason=pl.reason + why)
+        out.append(pl)
+    return out
+
+
 def fsdp_placements(placements, n_data_shards, min_bytes=MIN_BYTES, n_model_shards=1):
     """The placements with 'dp' added to one dimension of every tensor of ``min_bytes`` or more
     (('dp', 'mp') for tensors replicated over ``n_model_shards`` > 1 when a dimension divides).

@@ -6,7 +6,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .auto import auto_placements
-from .fsdp import fsdp_placements
+from .fsdp import fsdp_placements, ungrouped_storage
 from .grouped_axes import named_sharding
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
@@ -29,6 +29,9 @@ class ShardingPlan:
             check_rules_format(user_rules)
             placements = [self._apply_user_rule(pl, user_rules) for pl in placements]
             warn_unmatched_rules(user_rules, placements)
+        # where each parameter is used: the tensor-parallel placement; stored split further
+        self.compute_placements = placements
+        placements = ungrouped_storage(placements, n_model_shards)
         if fsdp:
             placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1),
                                          n_model_shards=self.axis_sizes.get("mp", 1))
@@ -50,6 +53,20 @@ class ShardingPlan:
     def param_shardings(self):
         return jax.tree_util.tree_map(lambda s: named_sharding(self.mesh, s), self.param_specs,
                                       is_leaf=lambda x: isinstance(x, P))
+
+    def fsdp_paths(self):
+        """Paths of the parameters stored split over more devices than where they are used."""
+        return [pl.path for pl, used in zip(self.placements, self.compute_placements)
+                if pl.spec != used.spec]
+
+    def compute_shardings(self):
+        """The shardings the step uses each parameter in: the tensor-parallel placement. A
+        parameter FSDP stores split over 'dp' is gathered to it where the step uses it (one
+        all-gather, its gradient one reduce-scatter), so the split never reaches activations."""
+        by_path = {pl.path: pl.spec for pl in self.compute_placements}
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, _: named_sharding(self.mesh, by_path[path_to_tuple(kp)]), self.param_specs,
+            is_leaf=lambda x: isinstance(x, P))
 
     def opt_state_shardings(self, opt_state):
         specs = opt_state_specs(opt_state, self.placements)
