@@ -123,3 +123,19 @@ def test_loaded_on_1_2_and_4_model_shards_gives_the_same_logits(tiny, monkeypatc
         folder, monkeypatch,
         lambda m, p: np.asarray(jax.jit(m.apply)(p, pixels, dec, dec_mask))[real],
         split_path=("decoder", "h", "1", "crossattention", "c_attn", "kernel"))
+
+
+def test_unsupported_layouts_are_clear_errors():
+    from redcoast.errors import ConfigError
+    from redcoast.models import bart, gptj, opt
+
+    with pytest.raises(ConfigError, match="ViT \\+ GPT-2 only"):
+        ved.Config.from_hf({"encoder": {"model_type": "vit"}, "decoder": {"model_type": "bert"}})
+    with pytest.raises(ConfigError, match="LM head is a matrix of its own"):
+        gptj.Config.from_hf({"tie_word_embeddings": True})
+    with pytest.raises(ConfigError, match="ties its LM head"):
+        opt.Config.from_hf({"tie_word_embeddings": False})
+    with pytest.raises(ConfigError, match="mBART"):
+        bart.Config.from_hf({"normalize_before": True})
+    with pytest.raises(ConfigError, match="activation_function='swiglu'"):
+        opt.Config(activation_function="swiglu")
