@@ -66,6 +66,7 @@ def test_a_folder_without_pooler_loads_and_saves_without_one(tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_loaded_on_1_2_and_4_model_shards_gives_the_same_features(tiny, monkeypatch):
     _, folder, _, _ = tiny
     x = pixels(2)
