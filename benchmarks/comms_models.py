@@ -46,6 +46,13 @@ def _lm_loss(model):
     return loss
 
 
+def _lm_loss_masked(model):  # the attention mask an input of the step, as with padded batches
+    def loss(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1], batch["mask"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+    return loss
+
+
 def _bert_loss(model):
     def loss(rng, state, params, batch, is_training):
         ids = batch["ids"][:, :-1]
@@ -86,6 +93,13 @@ def vit_config(layers):
                       intermediate_size=2 * H, image_size=IMAGE, patch_size=PATCH)
 
 
+def opt_proj_model(layers):  # opt-350m's layout: post-LN, embeddings projected in and out
+    return Model(opt.OPTForCausalLM, opt.Config(
+        vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=layers,
+        num_attention_heads=HEADS, ffn_dim=2 * H, do_layer_norm_before=False,
+        word_embed_proj_dim=H // 2))
+
+
 def llama_model(layers, kv_heads):
     return Model(llama.LlamaForCausalLM, llama.LlamaConfig(
         vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=layers,
@@ -109,10 +123,9 @@ MODELS = {  # name: (make(layers) -> Model, loss maker, cross-attention layers)
     "opt": (lambda n: Model(opt.OPTForCausalLM, opt.Config(
         vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=n,
         num_attention_heads=HEADS, ffn_dim=2 * H)), _lm_loss, False),
-    "opt_proj": (lambda n: Model(opt.OPTForCausalLM, opt.Config(  # opt-350m's layout
-        vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=n,
-        num_attention_heads=HEADS, ffn_dim=2 * H, do_layer_norm_before=False,
-        word_embed_proj_dim=H // 2)), _lm_loss, False),
+    "opt_proj": (lambda n: opt_proj_model(n), _lm_loss, False),
+    # the same traced with its attention mask as an input (positions no longer constants)
+    "opt_proj_masked": (lambda n: opt_proj_model(n), _lm_loss_masked, False),
     "bart": (lambda n: Model(bart.BartForConditionalGeneration, bart.Config(
         vocab_size=V, max_position_embeddings=16, d_model=H, encoder_layers=n, decoder_layers=n,
         encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * H,
@@ -139,7 +152,8 @@ def trainer_for(name, layers, n):
 def batch():
     rng = np.random.default_rng(0)
     return {"ids": rng.integers(0, V, (B, T + 1)).astype(np.int32),
-            "pixels": rng.standard_normal((B, 3, IMAGE, IMAGE)).astype(np.float32)}
+            "pixels": rng.standard_normal((B, 3, IMAGE, IMAGE)).astype(np.float32),
+            "mask": np.ones((B, T), np.int32)}
 
 
 def measure(name, n):
