@@ -123,6 +123,9 @@ MODELS = {  # name: (make(layers) -> Model, loss maker, cross-attention layers)
     "opt": (lambda n: Model(opt.OPTForCausalLM, opt.Config(
         vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=n,
         num_attention_heads=HEADS, ffn_dim=2 * H)), _lm_loss, False),
+    "opt_masked": (lambda n: Model(opt.OPTForCausalLM, opt.Config(
+        vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=n,
+        num_attention_heads=HEADS, ffn_dim=2 * H)), _lm_loss_masked, False),
     "opt_proj": (lambda n: opt_proj_model(n), _lm_loss, False),
     # the same traced with its attention mask as an input (positions no longer constants)
     "opt_proj_masked": (lambda n: opt_proj_model(n), _lm_loss_masked, False),
