@@ -2,10 +2,13 @@
 the Trainer (its plan traced from the loss, its sibling-matmul fusion, its compiled step).
 
 For each model in redcoast.models (tiny configs: hidden 64, 8 heads, vocabulary 128, sequence 8,
-global batch 8) and 2, 4, 8 model shards on 8 simulated CPU devices: compile the Trainer's training
+global batch 8; ViT: 12x12 images in 4x4 patches, 10 tokens) and 2, 4, 8 model shards on 8 simulated CPU devices: compile the Trainer's training
 step at two depths and difference its collectives (redcoast/comms.py). 'mp / Megatron' is the
 per-layer 'mp' wire bytes over Megatron-LM's (2 all-reduces of the [batch, seq, hidden] activation
-forward and 2 backward; a T5 layer counts one encoder and one decoder layer: 2 + 3 each way).
+forward and 2 backward; a T5, BART or ViT + GPT-2 layer counts one encoder and one decoder layer:
+2 + 3 each way, each at its own sequence length). GPT-J's parallel block is held to the same
+2 + 2 (Megatron's layout for it needs 1 + 1: the attention and MLP outputs are summed before one
+all-reduce, and their input gradients likewise).
 'params / ideal' is parameter bytes per device over (split bytes / n + replicated bytes, K/V kept by
 groups of shards / groups), FSDP off.
 
@@ -28,14 +31,24 @@ import optax  # noqa: E402
 
 from redcoast import Deployer, Trainer  # noqa: E402
 from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
-from redcoast.models import Model, bert, gpt2, llama, t5  # noqa: E402
+from redcoast.models import (Model, bart, bert, gpt2, gptj, llama, opt, t5, vision_encoder_decoder,  # noqa: E402
+                             vit)
 
 B, T, H, HEADS, V = 8, 8, 64, 8, 128
+IMAGE, PATCH = 12, 4  # ViT: 9 patches + the class token
+VIT_T = 1 + (IMAGE // PATCH) ** 2
 
 
 def _lm_loss(model):
     def loss(rng, state, params, batch, is_training):
         logits = model.apply(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+    return loss
+
+
+def _lm_loss_masked(model):  # the attention mask an input of the step, as with padded batches
+    def loss(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1], batch["mask"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
     return loss
 
@@ -56,6 +69,37 @@ def _t5_loss(model):
     return loss
 
 
+def _seq2seq_loss(model):  # BART: the targets shifted right as decoder inputs
+    return _t5_loss(model)
+
+
+def _vit_loss(model):
+    def loss(rng, state, params, batch, is_training):
+        hidden, pooled = model.apply(params, batch["pixels"])
+        return (hidden ** 2).mean() + (pooled ** 2).mean()
+    return loss
+
+
+def _caption_loss(model):
+    def loss(rng, state, params, batch, is_training):
+        ids = batch["ids"]
+        logits = model.apply(params, batch["pixels"], ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    return loss
+
+
+def vit_config(layers):
+    return vit.Config(hidden_size=H, num_hidden_layers=layers, num_attention_heads=HEADS,
+                      intermediate_size=2 * H, image_size=IMAGE, patch_size=PATCH)
+
+
+def opt_proj_model(layers):  # opt-350m's layout: post-LN, embeddings projected in and out
+    return Model(opt.OPTForCausalLM, opt.Config(
+        vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=layers,
+        num_attention_heads=HEADS, ffn_dim=2 * H, do_layer_norm_before=False,
+        word_embed_proj_dim=H // 2))
+
+
 def llama_model(layers, kv_heads):
     return Model(llama.LlamaForCausalLM, llama.LlamaConfig(
         vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=layers,
@@ -73,7 +117,30 @@ MODELS = {  # name: (make(layers) -> Model, loss maker, cross-attention layers)
     "t5": (lambda n: Model(t5.T5ForConditionalGeneration, t5.Config(
         vocab_size=V, d_model=H, d_kv=H // HEADS, d_ff=2 * H, num_layers=n, num_heads=HEADS)),
         _t5_loss, True),
+    "gptj": (lambda n: Model(gptj.GPTJForCausalLM, gptj.Config(
+        vocab_size=V, n_positions=16, n_embd=H, n_layer=n, n_head=HEADS, rotary_dim=4,
+        n_inner=2 * H)), _lm_loss, False),
+    "opt": (lambda n: Model(opt.OPTForCausalLM, opt.Config(
+        vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=n,
+        num_attention_heads=HEADS, ffn_dim=2 * H)), _lm_loss, False),
+    "opt_masked": (lambda n: Model(opt.OPTForCausalLM, opt.Config(
+        vocab_size=V, max_position_embeddings=16, hidden_size=H, num_hidden_layers=n,
+        num_attention_heads=HEADS, ffn_dim=2 * H)), _lm_loss_masked, False),
+    "opt_proj": (lambda n: opt_proj_model(n), _lm_loss, False),
+    # the same traced with its attention mask as an input (positions no longer constants)
+    "opt_proj_masked": (lambda n: opt_proj_model(n), _lm_loss_masked, False),
+    "bart": (lambda n: Model(bart.BartForConditionalGeneration, bart.Config(
+        vocab_size=V, max_position_embeddings=16, d_model=H, encoder_layers=n, decoder_layers=n,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * H,
+        decoder_ffn_dim=2 * H)), _seq2seq_loss, True),
+    "vit": (lambda n: Model(vit.ViTModel, vit_config(n)), _vit_loss, False),
+    "vit_gpt2": (lambda n: Model(vision_encoder_decoder.VisionEncoderDecoderModel,
+                                 vision_encoder_decoder.Config(encoder=vit_config(n), decoder=gpt2.Config(
+                                     vocab_size=V, n_positions=16, n_embd=H, n_layer=n, n_head=HEADS))),
+                 _caption_loss, True),
 }
+# the sequence length of the encoder layers where it is not T
+ENCODER_SEQ = {"vit": VIT_T, "vit_gpt2": VIT_T}
 
 
 def trainer_for(name, layers, n):
@@ -86,7 +153,10 @@ def trainer_for(name, layers, n):
 
 
 def batch():
-    return {"ids": np.random.default_rng(0).integers(0, V, (B, T + 1)).astype(np.int32)}
+    rng = np.random.default_rng(0)
+    return {"ids": rng.integers(0, V, (B, T + 1)).astype(np.int32),
+            "pixels": rng.standard_normal((B, 3, IMAGE, IMAGE)).astype(np.float32),
+            "mask": np.ones((B, T), np.int32)}
 
 
 def measure(name, n):
@@ -98,7 +168,7 @@ def measure(name, n):
 
     layer = per_layer(compiled, Deployer(n_model_shards=n, verbose=False).mesh)
     per_device = B // (jax.device_count() // n)
-    ideal = megatron_ideal(per_device, T, H, n)["wire_bytes"]
+    ideal = megatron_ideal(per_device, ENCODER_SEQ.get(name, T), H, n)["wire_bytes"]
     if MODELS[name][2]:  # one encoder + one decoder layer per depth step
         ideal += megatron_ideal(per_device, T, H, n, cross_attention=True)["wire_bytes"]
     plan = trainers[2].plan

@@ -87,6 +87,7 @@ def test_shift_right_matches_transformers(plain):
     np.testing.assert_array_equal(bart.shift_right(jnp.asarray(labels), model.config), want.numpy())
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_cached_decoding_equals_full_decode(plain):
     _, _, model, params, forward = plain
     ids, mask, dec, _ = batch(1)
@@ -114,7 +115,7 @@ def _hf_generate(ref, ids, mask, **kw):
     return out.numpy()[:, 1:]  # without the decoder start token
 
 
-@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("num_beams", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_generation_matches_transformers(plain, num_beams):
     ref, _, model, params, _ = plain
     ids, mask, _, _ = batch(2)
@@ -128,8 +129,8 @@ def test_generation_matches_transformers(plain, num_beams):
     same_tokens(got, want, eos, pad=1)
 
 
-def test_round_trip_through_transformers_is_exact(pair, tmp_path):
-    ref, _, model, params, _ = pair
+def test_round_trip_through_transformers_is_exact(plain, tmp_path):
+    ref, _, model, params, _ = plain
     save_pretrained(model, params, str(tmp_path / "ours"))
     back = transformers.BartForConditionalGeneration.from_pretrained(str(tmp_path / "ours"))
     got = back.state_dict()
@@ -146,6 +147,7 @@ def test_round_trip_through_transformers_is_exact(pair, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_loaded_on_1_2_and_4_model_shards_gives_the_same_logits(plain, monkeypatch):
     _, folder, _, _, _ = plain
     args = batch(3)

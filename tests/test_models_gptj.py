@@ -39,6 +39,7 @@ def test_logits_match_transformers_on_a_left_padded_batch(tiny):
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_full_rotary_matches_transformers(tmp_path):
     """rotary_dim = head_dim: every dimension of the head is rotated."""
     ref = randomize(transformers.GPTJForCausalLM(transformers.GPTJConfig(
@@ -52,6 +53,7 @@ def test_full_rotary_matches_transformers(tmp_path):
                                torch_logits(ref, ids, mask)[real], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_cached_decoding_equals_the_full_forward_pass(tiny):
     _, _, model, params = tiny
     ids, mask = left_padded(VOCAB, t=10, seed=2)
@@ -101,6 +103,7 @@ def test_round_trip_through_transformers_is_exact(tiny, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_loaded_on_1_2_and_4_model_shards_gives_the_same_logits(tiny, monkeypatch):
     _, folder, _, _ = tiny
     ids, mask = left_padded(VOCAB, seed=4)

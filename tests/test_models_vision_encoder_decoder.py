@@ -60,6 +60,7 @@ def test_logits_match_transformers(tiny):
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_cached_decoding_equals_full_decode(tiny):
     _, _, model, params = tiny
     pixels, dec, _ = inputs(1)
@@ -79,7 +80,7 @@ def test_cached_decoding_equals_full_decode(tiny):
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("num_beams", [1, 2])
+@pytest.mark.parametrize("num_beams", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_captions_match_transformers(tiny, num_beams):
     ref, _, model, params = tiny
     pixels, _, _ = inputs(2)
@@ -115,6 +116,7 @@ def test_round_trip_through_transformers_is_exact(tiny, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_loaded_on_1_2_and_4_model_shards_gives_the_same_logits(tiny, monkeypatch):
     _, folder, _, _ = tiny
     pixels, dec, dec_mask = inputs(3)
@@ -123,3 +125,19 @@ def test_loaded_on_1_2_and_4_model_shards_gives_the_same_logits(tiny, monkeypatc
         folder, monkeypatch,
         lambda m, p: np.asarray(jax.jit(m.apply)(p, pixels, dec, dec_mask))[real],
         split_path=("decoder", "h", "1", "crossattention", "c_attn", "kernel"))
+
+
+def test_unsupported_layouts_are_clear_errors():
+    from redcoast.errors import ConfigError
+    from redcoast.models import bart, gptj, opt
+
+    with pytest.raises(ConfigError, match="ViT \\+ GPT-2 only"):
+        ved.Config.from_hf({"encoder": {"model_type": "vit"}, "decoder": {"model_type": "bert"}})
+    with pytest.raises(ConfigError, match="LM head is a matrix of its own"):
+        gptj.Config.from_hf({"tie_word_embeddings": True})
+    with pytest.raises(ConfigError, match="ties its LM head"):
+        opt.Config.from_hf({"tie_word_embeddings": False})
+    with pytest.raises(ConfigError, match="mBART"):
+        bart.Config.from_hf({"normalize_before": True})
+    with pytest.raises(ConfigError, match="activation_function='swiglu'"):
+        opt.Config(activation_function="swiglu")

@@ -47,6 +47,19 @@ def test_round_trip_through_transformers_is_exact(tiny, tmp_path):
         assert torch.equal(back[name], value), name
 
 
+def test_in_memory_tensors_load_like_the_folder(tiny):
+    from redcoast.models import hf
+    from redcoast.models.pretrained import from_reader
+
+    _, folder, _, params = tiny
+    reader = hf.SafetensorsFolder(folder)
+    tensors = {name: reader.read(name) for name in reader.names()}
+    model, again = from_reader(hf.read_config(folder), hf.TensorDict(tensors))
+    assert model.config.add_pooling_layer  # asked of the tensors, not of config.json
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, again)
+
+
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_a_folder_without_pooler_loads_and_saves_without_one(tmp_path):
     ref = randomize(transformers.ViTModel(transformers.ViTConfig(**SIZES), add_pooling_layer=False),
                     seed=1)
@@ -66,6 +79,7 @@ def test_a_folder_without_pooler_loads_and_saves_without_one(tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
 
 
+@pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
 def test_loaded_on_1_2_and_4_model_shards_gives_the_same_features(tiny, monkeypatch):
     _, folder, _, _ = tiny
     x = pixels(2)

@@ -1,5 +1,5 @@
-"""Reference models (Llama family, GPT-2, T5, BERT) with Hugging Face and GGUF weights, and
-generation. Depends on Flax; redcoast's core never imports it."""
+"""Reference models (Llama family, GPT-2, GPT-J, OPT, T5, BART, BERT, ViT, ViT + GPT-2) with
+Hugging Face and GGUF weights, and generation. Depends on Flax; redcoast's core never imports it."""
 
 from .base import Model
 from .generate import generate, left_pad

@@ -100,6 +100,9 @@ class TensorDict:
     def __init__(self, tensors):
         self.tensors = tensors
 
+    def __contains__(self, name):  # aliases and config_for_tensors ask (BERT, BART, T5, ViT)
+        return name in self.tensors
+
     def shape(self, name):
         if name not in self.tensors:
             raise ConfigError(f"tensor {name!r} is missing from the given tensors")

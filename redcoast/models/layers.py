@@ -166,7 +166,9 @@ def apply_rotary(x, cos, sin, interleaved=False):
     layout of Hugging Face checkpoints); ``interleaved=True`` pairs neighbours (0, 1), (2, 3), ...
     (GPT-J, GPT-NeoX-style "rotate every two"). With ``R < D`` only the first ``R`` dimensions of
     each head are rotated and the rest pass unchanged (GPT-J's ``rotary_dim``)."""
-    rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
+    partial = cos.shape[-1] < x.shape[-1]
+    # whole heads are not sliced at all: the same traced ops as before partial rotation existed
+    rot, rest = (x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]) if partial else (x, None)
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
     half = rot.shape[-1] // 2
@@ -180,7 +182,7 @@ def apply_rotary(x, cos, sin, interleaved=False):
     else:
         rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
     out = rot * cos + rotated * sin
-    return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
+    return jnp.concatenate([out, rest], axis=-1) if partial else out
 
 
 # ---------------------------------------------------------------------------------------------
