@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 from redcoast import Deployer, Trainer
-from redcoast.models import Model, bert, gpt2, llama, t5
+from redcoast.models import Model, bart, bert, gpt2, gptj, llama, opt, t5, vit
 from redcoast.sharding import dataflow
 from redcoast.sharding.dataflow import FALLBACK, DataflowError, traced_placements
 from redcoast.sharding.jaxpr_tools import scan_operand_groups
@@ -47,6 +47,19 @@ def _model_cases():
                                                    intermediate_size=64, max_position_embeddings=16)),
         "t5": (t5, t5.T5ForConditionalGeneration, t5.Config(vocab_size=64, d_model=32, d_kv=8,
                                                                d_ff=64, num_layers=2, num_heads=4)),
+        "gptj": (gptj, gptj.GPTJForCausalLM, gptj.Config(vocab_size=64, n_positions=16, n_embd=32,
+                                                          n_layer=2, n_head=4, rotary_dim=4)),
+        "opt": (opt, opt.OPTForCausalLM, opt.Config(vocab_size=64, hidden_size=32,
+                                                     num_hidden_layers=2, ffn_dim=64,
+                                                     max_position_embeddings=16,
+                                                     num_attention_heads=4)),
+        "bart": (bart, bart.BartForConditionalGeneration, bart.Config(
+            vocab_size=64, max_position_embeddings=16, d_model=32, encoder_layers=2,
+            encoder_ffn_dim=64, encoder_attention_heads=4, decoder_layers=2, decoder_ffn_dim=64,
+            decoder_attention_heads=4)),
+        "vit": (vit, vit.ViTModel, vit.Config(hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=64,
+                                               image_size=16, patch_size=4)),
     }
 
 
