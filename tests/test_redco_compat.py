@@ -60,7 +60,8 @@ def test_user_functions_are_called_by_keyword_where_they_name_the_argument():
     called = by_keyword(functools.partial(maml_loss, model="M"), LOSS_FN_ARGS)
     assert called("R", "S", "P", {"b": 1}, True) == ("R", "S", "P", {"b": 1}, True, "M")
     assert by_keyword(lambda *a: a, LOSS_FN_ARGS)(1, 2, 3, 4, 5) == (1, 2, 3, 4, 5)
-    assert by_keyword(lambda **kw: kw, PRED_FN_ARGS)("R", "P", "B") == {"rng": "R", "params": "P", "batch": "B"}
+    by_name = by_keyword(lambda **kw: kw, PRED_FN_ARGS)("R", "P", "B")
+    assert by_name == {"rng": "R", "params": "P", "batch": "B"}
 
     batch = {"x": 1, "labels": 2}
     popping = by_keyword(lambda rng, params, batch: batch.pop("labels"), PRED_FN_ARGS, copy_batch=True)
@@ -128,7 +129,8 @@ def test_log_info_keyword_and_rules_passed_back_mean_automatic(tmp_path):
     params = {"dense": {"kernel": jnp.zeros((8, 16)), "bias": jnp.zeros(16)}}
     rules = deployer.get_sharding_rules(params_shape_or_params=params)
     assert isinstance(rules, AutoShardingRules) and rules
-    assert deployer.get_sharding_plan(params, rules).placements == deployer.get_sharding_plan(params).placements
+    automatic = deployer.get_sharding_plan(params).placements
+    assert deployer.get_sharding_plan(params, rules).placements == automatic
     rules[0] = (("dense", "kernel"), P("mp"))   # edited: now the user's rule
     assert deployer.get_sharding_plan(params, rules).param_specs["dense"]["kernel"] == P("mp")
 
@@ -157,14 +159,17 @@ def test_redco_checkpoints_round_trip_without_pickle(tmp_path):
     assert not any(name.endswith(".pkl") for name in os.listdir(tmp_path / "init"))
     ckpt, info = deployer.load_ckpt(ckpt_dir=str(tmp_path / "init"), optimizer=optimizer,
                                     float_dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(ckpt["params"]["dense"]["kernel"]), np.arange(32.0).reshape(4, 8))
+    np.testing.assert_array_equal(np.asarray(ckpt["params"]["dense"]["kernel"]),
+                                  np.arange(32.0).reshape(4, 8))
     np.testing.assert_array_equal(np.asarray(ckpt["opt_state"][0].mu["dense"]["kernel"]), 2.0)
     assert info["step"] == 3 and info["epoch_idx"] == 1
 
     with pytest.warns(RedcoCompatWarning, match="resumes by itself"):
         assert deployer.load_last_ckpt(optimizer=optimizer) == (None, None)
-    trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=None,
-                      loss_fn=lambda rng, state, params, batch, is_training: 0.0 * jnp.sum(params["dense"]["kernel"]),
+    def zero_loss(rng, state, params, batch, is_training):
+        return 0.0 * jnp.sum(params["dense"]["kernel"])
+
+    trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=None, loss_fn=zero_loss,
                       params=ckpt["params"], opt_state=ckpt["opt_state"], optimizer=optimizer,
                       last_ckpt_info=info)
     assert trainer.step == 3 and trainer._first_epoch == 2

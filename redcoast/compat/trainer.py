@@ -169,7 +169,8 @@ class Trainer(core.Trainer):
                        "state, which an exact resume needs. For the parameters alone use "
                        "deployer.export_params(trainer.params, path).")
         if save_float_dtype is not None:
-            warn_redco(f"fit(save_float_dtype={jnp.dtype(save_float_dtype).name}): redcoast's checkpoints keep the "
+            dtype = jnp.dtype(save_float_dtype).name
+            warn_redco(f"fit(save_float_dtype={dtype}): redcoast's checkpoints keep the "
                        "training dtype, which an exact resume needs. For a smaller copy of the "
                        "parameters cast them and use deployer.export_params(params, path).")
         eval_metric_fn = by_keyword(eval_metric_fn, EVAL_METRIC_FN_ARGS)
