@@ -1,6 +1,7 @@
 """Run each adapted redco example on redcoast and, if the redco package is importable, on redco;
 print the final results side by side. Needs transformers 4.x (Flax classes) for the Hugging Face
-examples: see README.md. Usage: python benchmarks/redco_examples/run_all.py [name ...]"""
+examples, and the adapted scripts themselves (redcoast carries no copy of redco's code): see
+README.md. Usage: python benchmarks/redco_examples/run_all.py SCRIPTS_DIR [name ...]"""
 
 import importlib.util
 import os
@@ -16,12 +17,12 @@ EXAMPLES = ["language_modeling", "classification", "text_to_text", "mnist", "met
             "differential_private_training", "federated_learning", "lora"]
 
 
-def run(name, run_on):
+def run(scripts, name, run_on):
     env = dict(os.environ, RUN_ON=run_on,
                PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory() as workdir:   # fresh workdirs: no resume between runs
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.join(HERE, f"{name}.py")], cwd=workdir,
+        proc = subprocess.run([sys.executable, os.path.join(scripts, f"{name}.py")], cwd=workdir,
                               env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start
     results = dict(re.findall(r"^RESULT (\w+)=(\S+)$", proc.stdout, re.M))
@@ -31,17 +32,19 @@ def run(name, run_on):
     return results, seconds
 
 
-def main(names):
+def main(scripts, names):
     sides = ["redcoast"] + (["redco"] if importlib.util.find_spec("redco") else [])
     print(f"{'example':20s} " + " | ".join(f"{s:>38s}" for s in sides))
     for name in names or EXAMPLES:
         cells = []
         for side in sides:
-            results, seconds = run(name, side)
+            results, seconds = run(scripts, name, side)
             shown = ", ".join(f"{k}={v}" for k, v in results.items())
             cells.append(f"{shown} ({seconds:.0f} s)")
         print(f"{name:20s} " + " | ".join(f"{c:>38s}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if len(sys.argv) < 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit(__doc__)
+    main(os.path.abspath(sys.argv[1]), sys.argv[2:])
