@@ -119,3 +119,25 @@ def check_sharded_loading(folder, monkeypatch, forward, split_path, shards=(1, 2
         jax.tree_util.tree_map(
             lambda a, b: np.testing.assert_allclose(a, b, atol=atol, rtol=0), results[n],
             results[shards[0]])
+
+
+def check_round_trip(ref, model, params, hf_class, folder):
+    """Saved by redcoast, ``hf_class`` (transformers) loads ``ref``'s exact tensors; a fresh
+    redcoast model saved, loaded and re-saved by transformers reads back to the same config and
+    arrays. Returns the transformers model loaded from redcoast's folder."""
+    from redcoast.models import Model, from_pretrained, save_pretrained
+
+    save_pretrained(model, params, str(folder / "ours"))
+    back = hf_class.from_pretrained(str(folder / "ours"))
+    got = back.state_dict()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(got[name], value), name
+
+    fresh = Model(model.module_cls, model.config)
+    new = fresh.init(seed=1)
+    save_pretrained(fresh, new, str(folder / "fresh"))
+    hf_class.from_pretrained(str(folder / "fresh")).save_pretrained(str(folder / "again"))
+    again_model, again = from_pretrained(str(folder / "again"))
+    assert again_model.config == model.config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
+    return back

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_reference import check_sharded_loading, randomize, same_tokens
-from redcoast.models import Model, bart, from_pretrained, save_pretrained
+from hf_reference import check_round_trip, check_sharded_loading, randomize, same_tokens
+from redcoast.models import bart, from_pretrained
 from redcoast.models.generate_seq2seq import generate
 
 torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
@@ -131,20 +131,7 @@ def test_generation_matches_transformers(plain, num_beams):
 
 def test_round_trip_through_transformers_is_exact(plain, tmp_path):
     ref, _, model, params, _ = plain
-    save_pretrained(model, params, str(tmp_path / "ours"))
-    back = transformers.BartForConditionalGeneration.from_pretrained(str(tmp_path / "ours"))
-    got = back.state_dict()
-    for name, value in ref.state_dict().items():
-        assert torch.equal(got[name], value), name
-
-    fresh = Model(bart.BartForConditionalGeneration, model.config)
-    new = fresh.init(seed=1)
-    save_pretrained(fresh, new, str(tmp_path / "fresh"))
-    transformers.BartForConditionalGeneration.from_pretrained(str(tmp_path / "fresh")).save_pretrained(
-        str(tmp_path / "again"))
-    again_model, again = from_pretrained(str(tmp_path / "again"))
-    assert again_model.config == model.config
-    jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
+    check_round_trip(ref, model, params, transformers.BartForConditionalGeneration, tmp_path)
 
 
 @pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_reference import (check_sharded_loading, left_padded, randomize, same_tokens,
-                          torch_logits)
-from redcoast.models import Model, from_pretrained, generate, gptj, save_pretrained
+from hf_reference import (check_round_trip, check_sharded_loading, left_padded, randomize,
+                          same_tokens, torch_logits)
+from redcoast.models import from_pretrained, generate
 
 torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
 transformers = pytest.importorskip("transformers", reason="test-only reference: pip install transformers")
@@ -88,19 +88,7 @@ def test_greedy_generation_equals_transformers(tiny):
 
 def test_round_trip_through_transformers_is_exact(tiny, tmp_path):
     ref, _, model, params = tiny
-    save_pretrained(model, params, str(tmp_path / "ours"))
-    back = transformers.GPTJForCausalLM.from_pretrained(str(tmp_path / "ours")).state_dict()
-    for name, value in ref.state_dict().items():
-        assert torch.equal(back[name], value), name
-
-    fresh = Model(gptj.GPTJForCausalLM, model.config)
-    new = fresh.init(seed=1)
-    save_pretrained(fresh, new, str(tmp_path / "fresh"))
-    transformers.GPTJForCausalLM.from_pretrained(str(tmp_path / "fresh")).save_pretrained(
-        str(tmp_path / "again"))
-    again_model, again = from_pretrained(str(tmp_path / "again"))
-    assert again_model.config == model.config
-    jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
+    check_round_trip(ref, model, params, transformers.GPTJForCausalLM, tmp_path)
 
 
 @pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it

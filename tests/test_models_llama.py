@@ -14,6 +14,8 @@ from redcoast.models.pretrained import from_reader
 torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import bytes_read_per_device, counting_reads  # noqa: E402
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -129,42 +131,6 @@ def test_cached_decoding_matches_full_forward(folders):
     assert jax.tree_util.tree_leaves(cache)[0].shape == (3, max_len, 2, 16)
 
 
-def _counting_reads(monkeypatch):
-    """Every slice the safetensors reader returns: (tensor name, bytes), in call order."""
-    reads = []
-    original = hf.SafetensorsFolder.read
-
-    def read(self, name, index=None):
-        out = original(self, name, index)
-        reads.append((name, out.nbytes))
-        return out
-    monkeypatch.setattr(hf.SafetensorsFolder, "read", read)
-    return reads
-
-
-def _bytes_read_per_device(model, params, reads):
-    """Bytes read on behalf of each device. ``jax.make_array_from_callback`` calls the reader
-    once per addressable device in the order of ``addressable_devices_indices_map`` (once in
-    all for a replicated parameter, whose one read every device then holds)."""
-    sources = jax.tree_util.tree_leaves(llama.hf_sources(model.config),
-                                        is_leaf=lambda x: isinstance(x, hf.Source))
-    by_name = {}
-    for name, nbytes in reads:
-        by_name.setdefault(name, []).append(nbytes)
-    per_device = {}
-    for src, array in zip(sources, jax.tree_util.tree_leaves(params)):
-        sharding = array.sharding
-        devices = list(sharding.addressable_devices_indices_map(array.shape))
-        counts = by_name[src.name]
-        if sharding.is_fully_replicated:
-            assert counts == [array.nbytes]
-            counts = counts * len(devices)
-        assert len(counts) == len(devices)
-        for device, nbytes in zip(devices, counts):
-            per_device[device] = per_device.get(device, 0) + nbytes
-    return per_device
-
-
 def test_sharded_loading(tmp_path, monkeypatch):
     """n_model_shards 1, 2, 4: the same logits, parameters split, each device reads its share."""
     folder = tmp_path / "m"
@@ -172,12 +138,12 @@ def test_sharded_loading(tmp_path, monkeypatch):
     _write_reference_with(folder, num_attention_heads=8, num_key_value_heads=4)
     ids, mask = _batch()
     results = {}
-    reads = _counting_reads(monkeypatch)
+    reads = counting_reads(monkeypatch)
     for n in (1, 2, 4):
         reads.clear()
         deployer = redcoast.Deployer(n_model_shards=n, verbose=False)
         model, params = from_pretrained(str(folder), deployer)
-        per_device = _bytes_read_per_device(model, params, reads)
+        per_device = bytes_read_per_device(model, params, reads)
         total = sum(a.nbytes for a in jax.tree_util.tree_leaves(params))
         for device, nbytes in per_device.items():
             share = sum(s.data.nbytes for a in jax.tree_util.tree_leaves(params)

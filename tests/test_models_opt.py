@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_reference import (check_sharded_loading, left_padded, randomize, same_tokens,
-                          torch_logits)
-from redcoast.models import Model, from_pretrained, generate, opt, save_pretrained
+from hf_reference import (check_round_trip, check_sharded_loading, left_padded, randomize,
+                          same_tokens, torch_logits)
+from redcoast.models import from_pretrained, generate
 
 torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
 transformers = pytest.importorskip("transformers", reason="test-only reference: pip install transformers")
@@ -91,19 +91,7 @@ def test_greedy_generation_equals_transformers(tmp_path_factory):
 
 def test_round_trip_through_transformers_is_exact(pair, tmp_path):
     ref, _, model, params = pair
-    save_pretrained(model, params, str(tmp_path / "ours"))
-    back = transformers.OPTForCausalLM.from_pretrained(str(tmp_path / "ours")).state_dict()
-    for name, value in ref.state_dict().items():
-        assert torch.equal(back[name], value), name
-
-    fresh = Model(opt.OPTForCausalLM, model.config)
-    new = fresh.init(seed=1)
-    save_pretrained(fresh, new, str(tmp_path / "fresh"))
-    transformers.OPTForCausalLM.from_pretrained(str(tmp_path / "fresh")).save_pretrained(
-        str(tmp_path / "again"))
-    again_model, again = from_pretrained(str(tmp_path / "again"))
-    assert again_model.config == model.config
-    jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
+    check_round_trip(ref, model, params, transformers.OPTForCausalLM, tmp_path)
 
 
 @pytest.mark.slow  # a few seconds more than the default suite affords; CI runs it
