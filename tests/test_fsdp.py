@@ -160,7 +160,7 @@ def test_tensors_the_plan_replicates_are_split_over_all_devices_and_train_the_sa
 
     collate_x = lambda rows: {"x": np.stack(rows)}  # noqa: E731
     trainer = Trainer(Deployer(n_model_shards=2, verbose=False), collate_x, None, qkv_loss, params,
-                      OPTIMIZER)
+                      OPTIMIZER, fsdp=True)
     trainer.fit(examples, 2, 1, shuffle=False)  # 4 steps of 8
     assert trainer.params["qkv"].sharding.spec == P(None, ("dp", "mp"))
     assert trainer.params["qkv"].addressable_shards[0].data.shape == (512, 1536 // 8)
