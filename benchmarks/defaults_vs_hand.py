@@ -13,7 +13,7 @@ tensor below it), sequence 128, AdamW, global batch 16, on 8 simulated CPU devic
             vocabulary), state replicated over 'dp'.
 
 Both step the same pre-placed batches; compilation is excluded (one warm-up call each). The two
-alternate, A B A B ..., ``--repeats`` times, each timing ``--steps`` steps end to end; medians are
+alternate, A B B A A B ..., ``--repeats`` times, each timing ``--steps`` steps end to end; medians are
 printed. 'state/dev' is parameter + optimizer-state bytes on device 0. Run from the repository root:
 
     python benchmarks/defaults_vs_hand.py                       # a few minutes on 2 cores
@@ -153,9 +153,12 @@ def main():
         trainer, rc_step, hand_step, (rc_bytes, hand_bytes), compiled = setup(mp, examples, optimizer)
         rc_step(), hand_step()  # warm up (compile, first placement)
         rc_times, hand_times = [], []
-        for _ in range(args.repeats):
+        for r in range(args.repeats):  # A B, then B A: neither always runs first
+            if r % 2:
+                hand_times.append(timed(hand_step, args.steps))
             rc_times.append(timed(rc_step, args.steps))
-            hand_times.append(timed(hand_step, args.steps))
+            if not r % 2:
+                hand_times.append(timed(hand_step, args.steps))
         rc_ms, hand_ms = statistics.median(rc_times) * 1e3, statistics.median(hand_times) * 1e3
         ratios = [a / b for a, b in zip(rc_times, hand_times)]
         layout = getattr(trainer, "layout", None)

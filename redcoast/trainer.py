@@ -166,7 +166,8 @@ class Trainer:
 
     def _candidates(self):
         """The settings of FSDP and fusion left to choose that can differ on this mesh."""
-        fsdp = [True, False] if self._to_choose["fsdp"] and self.deployer.n_data_shards > 1 else [self.fsdp]
+        # off first: where FSDP splits nothing the two plans are one, and it is named off
+        fsdp = [False, True] if self._to_choose["fsdp"] and self.deployer.n_data_shards > 1 else [self.fsdp]
         fuse = ([False, True] if self._to_choose["fuse_matmuls"] and self.train_step_fn is None
                 and self.deployer.n_model_shards > 1 else [self.fuse_matmuls])
         return [Candidate(f, m) for f in fsdp for m in fuse]

@@ -65,7 +65,7 @@ def test_more_model_shards_than_kv_heads_split_the_query_heads():
     # 4 query / 2 KV heads on 4 shards: grouped K/V cannot be split, so attention repeats them
     # per query head and the query heads are split (without: Q, K, V, O all replicated)
     one, four = _train("llama_gqa", 1), _train("llama_gqa", 4)
-    split = {pl.path[-2]: "mp" in pl.spec for pl in four.plan.placements
+    split = {pl.path[-2]: "mp" in pl.spec for pl in four.plan.compute_placements
              if pl.path[:3] == ("layers", "0", "self_attn") and pl.path[-1] == "kernel"}
     assert split == {"q_proj": True, "k_proj": False, "v_proj": False, "o_proj": True}
     assert_trees_close(four.params, one.params)
