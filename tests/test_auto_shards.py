@@ -15,6 +15,7 @@ def _fit(n_model_shards, budget=None):
     return deployer, trainer
 
 
+@pytest.mark.slow  # 26 s; the default suite keeps the over-budget error of "auto"
 def test_auto_picks_the_fewest_shards_that_fit_and_trains_like_that_choice():
     deployer, trainer = _fit("auto", budget=2**40)  # everything fits: one shard, no splitting
     assert deployer.n_model_shards == 1 and list(trainer.model_shard_memory) == [1]

@@ -78,6 +78,7 @@ def test_ten_random_sigkills(tmp_path, uninterrupted):
         kill_and_resume(tmp_path / f"trial{trial}", uninterrupted, rng, inside_save=trial % 2 == 0)
 
 
+@pytest.mark.slow  # 40 s; the default suite keeps the SIGKILL-inside-a-save resume
 def test_sigterm_saves_exits_zero_and_resumes(tmp_path, uninterrupted):
     workdir, out = tmp_path / "workdir", tmp_path / "final.npz"
     p = worker(workdir, out, slow=0.3)  # about 0.3 s per update

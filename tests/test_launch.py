@@ -291,7 +291,8 @@ RAISING = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("how", ["kill", "raise"])
+# the killed process runs in CI's slow step (the default suite is near its 15 minutes)
+@pytest.mark.parametrize("how", [pytest.param("kill", marks=pytest.mark.slow), "raise"])
 def test_a_failed_process_stops_the_run(tmp_path, how):
     (tmp_path / "train.py").write_text(KILLED if how == "kill" else RAISING)
     proc = launch(["-n", "2", "--local-devices", "2", "train.py"], tmp_path)
