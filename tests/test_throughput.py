@@ -66,12 +66,14 @@ def test_rates_of_a_step_cost():
     assert StepCost(16, None, 2e12, None).rates(1, 1.0)["mfu"] == "n/a"
 
 
-def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path, accumulate):
     model, params = make_model()
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(tmp_path), verbose=False)
     trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.sgd(0.1),
-                      log_grad_norm=True)
-    examples = make_examples(4 * 8 * 4)  # 4 updates of 4 examples per data shard
+                      log_grad_norm=True, accumulate_grad_batches=accumulate)
+    per_update = 32 * accumulate  # 8 per data shard x 4 data shards, per micro-batch
+    examples = make_examples(per_update * 4)  # 4 updates
     trainer.fit(examples, per_device_batch_size=8, n_epochs=1, shuffle=False,
                 log_every_n_steps=1)
     rows = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
@@ -82,15 +84,15 @@ def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path):
     for row in later:
         assert row["train_mfu"] == "n/a"  # CPU devices: no known peak
         assert row["train_step_time_s"] > 0
-        # tokens: 32 examples x the batch's sequence length (SEQ + 1 ids per example)
+        # tokens: the update's examples x the batch's sequence length (SEQ + 1 ids per example)
         np.testing.assert_allclose(row["train_tokens_per_s"],
                                    row["train_examples_per_s"] * (SEQ + 1), rtol=1e-9)
-        np.testing.assert_allclose(row["train_examples_per_s"] * row["train_step_time_s"], 32,
-                                   rtol=1e-9)
+        np.testing.assert_allclose(row["train_examples_per_s"] * row["train_step_time_s"],
+                                   per_update, rtol=1e-9)
 
     # the logged norm of the first update's gradient, against one computed by hand
     state = types.SimpleNamespace(apply_fn=model.apply)
-    batch = collate_fn(examples[:32])
+    batch = collate_fn(examples[:per_update])  # equal micro-batches: the mean of their means
     grads = jax.grad(lambda p: loss_fn(jax.random.PRNGKey(0), state, p, batch, True)[0])(params)
     np.testing.assert_allclose(first["train_grad_norm"], float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree_util.tree_leaves(grads)))),
                                rtol=1e-5)
