@@ -141,3 +141,21 @@ def check_round_trip(ref, model, params, hf_class, folder):
     assert again_model.config == model.config
     jax.tree_util.tree_map(np.testing.assert_array_equal, new, again)
     return back
+
+
+def check_greedy_generation(ref, model, params, vocab, pad=1, max_new_tokens=8):
+    """Greedy tokens on a left-padded batch equal transformers' ``generate``, with an EOS the
+    model does produce, so rows end at different steps."""
+    from redcoast.models import generate
+
+    ids, mask = left_padded(vocab, seed=3)
+    kw = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+              max_new_tokens=max_new_tokens, pad_token_id=pad)
+    with torch.no_grad():
+        free = ref.generate(**kw, eos_token_id=None).numpy()[:, ids.shape[1]:]
+        eos = int(free[1, 2])
+        want = ref.generate(**kw, eos_token_id=eos).numpy()[:, ids.shape[1]:]
+    got = generate(model, params, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                   pad_token_id=pad)
+    assert (want == eos).any()
+    same_tokens(got, want, eos, pad=pad)

@@ -10,11 +10,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import redcoast
-from redcoast.models import from_pretrained, gpt2, save_pretrained
+from redcoast.models import from_pretrained, gpt2
 from redcoast.models.base import Model
 
 torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
 transformers = pytest.importorskip("transformers", reason="test-only reference: pip install transformers")
+
+from hf_reference import check_round_trip  # noqa: E402
 
 VOCAB = 96
 GPT2 = gpt2.GPT2LMHeadModel
@@ -92,20 +94,7 @@ def test_cached_decoding_equals_the_full_forward_pass(tiny):
 def test_round_trip_through_transformers_is_exact(tiny, tmp_path):
     ref, folder = tiny
     model, params = from_pretrained(folder)
-    save_pretrained(model, params, str(tmp_path / "ours"))
-    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "ours"))
-    got = back.state_dict()
-    for name, value in ref.state_dict().items():
-        assert torch.equal(got[name], value), name
-
-    fresh = Model(gpt2.GPT2LMHeadModel, model.config)
-    params = fresh.init(seed=1)
-    save_pretrained(fresh, params, str(tmp_path / "fresh"))
-    transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "fresh")).save_pretrained(
-        str(tmp_path / "again"))
-    _, again = from_pretrained(str(tmp_path / "again"))
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                           params, again)
+    check_round_trip(ref, model, params, transformers.GPT2LMHeadModel, tmp_path)
 
 
 def test_sharded_loading_splits_heads_and_gives_the_same_logits(tiny):
