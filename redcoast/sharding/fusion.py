@@ -12,7 +12,10 @@ summation order) bring that down to Megatron's count:
 * the replicated operand of a contraction over a split matmul's output axis (the gates of split
   MoE experts) is pinned whole along that axis, so that XLA does not split what computed it;
 * grouped-query K/V that the plan replicates are projected per query head (kv_repeat.py), so
-  that they join Q's fused matmul.
+  that they join Q's fused matmul;
+* a lookup into a table the plan splits along its hidden axis (its vocabulary does not divide
+  the shards) is gathered whole right away, so that the split does not spread into the residual
+  stream the looked-up rows join.
 """
 
 import contextvars
@@ -214,6 +217,50 @@ def _gate_operands(jaxpr):
     return out
 
 
+def _hidden_split_tables(jaxpr):
+    """Pins for tables the plan splits along the axis a lookup keeps whole (the hidden axis:
+    dataflow.py splits it when the vocabulary does not divide the shards). Left to XLA, that
+    split spreads into the residual stream, from the looked-up rows forward and from a tied LM
+    head (the stream times the table, contracted over hidden) backward, and every layer pays
+    for it (measured: GPT-2 with a 127-token vocabulary, OPT with its 2050-row position table:
+    1.56x Megatron's bytes per layer on 4 shards). Returns ``(lookups, reads)``:
+    {index of a gather by data-dependent indices: output axes to gather whole right away} and
+    {index of a matmul contracting such a table's split axis: (side of the other operand, its
+    contracted axes to keep whole, so that each shard slices it locally)}."""
+    if _MESH.get() is None or _SPLIT.get() is None:
+        return {}, {}
+    data = set(jaxpr.invars)  # values that depend on the function's inputs, not constants
+    tables = {}  # a split table, or a cast or transpose of it -> its split axis
+    lookups, reads = {}, {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if any(isinstance(v, jcore.Var) and v in data for v in eqn.invars):
+            data.update(eqn.outvars)
+        name = eqn.primitive.name
+        if name == "gather" and eqn.invars[1] in data:
+            table = eqn.invars[0]
+            dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+            shape = tuple(table.aval.shape)
+            collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
+            kept = [a for a in range(len(shape)) if a not in collapsed]  # -> dn.offset_dims
+            whole = [(a, o) for a, o in zip(kept, dn.offset_dims)
+                     if sizes[a] == shape[a] and a not in dn.start_index_map
+                     and (shape, a) in _SPLIT.get()]
+            if whole:
+                lookups[i] = tuple(o for _, o in whole)
+                tables[table] = whole[0][0]
+        elif name in ("convert_element_type", "copy") and eqn.invars[0] in tables:
+            tables[eqn.outvars[0]] = tables[eqn.invars[0]]
+        elif name == "transpose" and eqn.invars[0] in tables:
+            tables[eqn.outvars[0]] = list(eqn.params["permutation"]).index(tables[eqn.invars[0]])
+        elif name == "dot_general":
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            for side, contract in ((0, lc), (1, rc)):
+                v = eqn.invars[side]
+                if isinstance(v, jcore.Var) and v in tables and tables[v] in contract:
+                    reads[i] = (1 - side, tuple(rc if side == 0 else lc))
+    return lookups, reads
+
+
 def _split_output_axes(jaxpr, v, producer):
     """Axes of ``v`` that are a split weight's batch or free axis carried through its matmul
     (possibly transposed once)."""
@@ -245,6 +292,7 @@ def _eval_fused(jaxpr, consts, args):
     groups = _groups(jaxpr, blocks)
     chains = _partial_chains(jaxpr, groups)
     gates = _gate_operands(jaxpr)
+    lookups, table_reads = _hidden_split_tables(jaxpr)
     # the matmul (and transpose) a chain replaces: computed inside the chain, never on their own
     done = {j for _, i, t, _ in chains.values() for j in (i, t) if j is not None}
 
@@ -271,10 +319,13 @@ def _eval_fused(jaxpr, consts, args):
             run_chain(i, *chains[i])
             return
         vals = [read(v) for v in eqn.invars]
-        if i in gates:
-            side, axes = gates[i]
-            vals[side] = _replicated(vals[side], axes)
+        for pins in (gates, table_reads):
+            if i in pins:
+                side, axes = pins[i]
+                vals[side] = _replicated(vals[side], axes)
         outs = _bind(eqn, vals)
+        if i in lookups:
+            outs = [_replicated(outs[0], lookups[i])]
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
 
