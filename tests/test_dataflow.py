@@ -345,3 +345,29 @@ def test_kv_heads_of_a_jitted_layer_called_per_layer_are_all_kept_by_groups():
 
     specs = {pl.path: pl.spec for pl in dataflow_placements(loss, params, arch.batch, n_model_shards=4)}
     assert specs[("layers", "0", "k")] == specs[("layers", "1", "k")] == P(None, "mp:2")
+
+
+def test_a_projected_embedding_does_not_replicate_the_layers_after_it():
+    # OPT-350m: a 16-wide embedding projected to the 32-wide stream, post-LN, positions constant
+    # (no attention mask given). project_in's column split reaches the norm together with the
+    # out_proj split decided from it; blaming both replicated every layer. Only the first moves.
+    import optax
+
+    from redcoast.models import Model, opt
+    model = Model(opt.OPTForCausalLM, opt.Config(
+        vocab_size=64, max_position_embeddings=16, hidden_size=32, num_hidden_layers=1,
+        num_attention_heads=4, ffn_dim=64, do_layer_norm_before=False, word_embed_proj_dim=16))
+    ids = jnp.zeros((2, 9), jnp.int32)
+
+    def loss(params, ids):
+        logits = model.apply(params, ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    got = {"/".join(pl.path): pl.spec
+           for pl in dataflow_placements(loss, model.init(0), ids, n_model_shards=2)}
+    layer = "layers/0/"
+    assert got["project_in/kernel"] == P()
+    for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "fc1"):
+        assert got[layer + name + "/kernel"] == P(None, "mp"), name
+    for name in ("self_attn/out_proj", "fc2"):
+        assert got[layer + name + "/kernel"] == P("mp"), name

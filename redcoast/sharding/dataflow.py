@@ -163,12 +163,24 @@ class _Analysis:
         """The split made by ``origins`` cannot go on. With ``taint``, the replicated value used
         from here on is a stand-in (after the fix it may be split), so what is decided from it
         is tentative; without, it is replicated in any placement (the residual stream)."""
-        for leaf in origins:
+        for leaf in self._upstream(origins):
             self.blamed.setdefault(leaf, reason)
         if taint:
             self.taint_out = True
         else:
             self.clean_out = True
+
+    def _upstream(self, origins):
+        """The parameter among ``origins`` whose split was decided first this round. A split
+        that later ones were decided from (a column split flowing into the next matmul, which
+        then became row-parallel, so that the one after it read a replicated value and split
+        its output) is the cause; the later ones may be right once it moves (measured: OPT with
+        its embedding projected, where blaming all replicated every layer)."""
+        order = {leaf: i for i, leaf in enumerate(self.decided)}
+        known = [leaf for leaf in origins if leaf in order]
+        if len(known) < 2 or len(known) < len(origins):
+            return origins
+        return [min(known, key=order.__getitem__)]
 
     def conflict_among(self, splits, reason, taint=True):
         """A conflict between several splits: if some are already given up this round, that
