@@ -576,11 +576,12 @@ class Trainer:
                   "max_steps": max_steps, "shuffle": shuffle,
                   "compute_dtype": str(jnp.dtype(self.compute_dtype))}
         per_update = config["global_batch_size"] * self.accumulate_grad_batches
-        if not streamed and len(first) % per_update:
+        fixed = is_sequence(train_examples)  # the same examples every epoch
+        if fixed and len(first) % per_update:  # said once, not every epoch
             self.deployer.log_info(
                 f"each epoch trains on {n_steps * per_update} of the {len(first)} examples: the "
-                f"last {len(first) % per_update} (shuffled anew each epoch) do not fill an "
-                f"update of {per_update} and are left out.")
+                f"last {len(first) % per_update} of its order (shuffled anew each epoch) do not "
+                f"fill an update of {per_update} and are left out.")
         store = lock = None
         if workdir is not None and (wants_saving or resume):
             lock = WorkdirLock(workdir, logger=self.deployer.logger).acquire()
@@ -650,6 +651,7 @@ class Trainer:
                         end = (epoch, start_position if epoch == start_epoch else 0)
                         break
                     train_examples = examples_of(epoch)
+                    streamed = isinstance(train_examples, Stream)  # a function may change kind
                     n_steps = None if streamed else self.updates_per_epoch(len(train_examples),
                                                                            per_device_batch_size)
                     position = start_position if epoch == start_epoch else 0
@@ -665,10 +667,12 @@ class Trainer:
                     if not finished and stopped[0] == "signal":
                         self._stop_for_preemption(store, guard, epoch, position, config)
                     if finished:
-                        if streamed and train_examples.leftover:
+                        left = (train_examples.leftover if streamed else
+                                0 if fixed else len(train_examples) % per_update)
+                        if left:
                             self.deployer.log_info(
-                                f"epoch {epoch + 1}: the stream's last {train_examples.leftover} "
-                                f"examples do not fill an update of {per_update} and were left out.")
+                                f"epoch {epoch + 1}: its last {left} examples do not fill an "
+                                f"update of {per_update} and were left out.")
                         results = evaluate(f"epoch {epoch + 1}{of}")
                         self._save_best(results, epoch + 1, 0, save_min, save_max, workdir, config)
                         if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:

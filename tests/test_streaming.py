@@ -110,6 +110,9 @@ def test_a_stream_stopped_mid_epoch_resumes_bitwise(tmp_path):
     assert resumed.step == uninterrupted.step == 10
     assert_bitwise(resumed.params, uninterrupted.params)
     assert "resumed from" in (tmp_path / "b" / "log.txt").read_text()
+    log = (tmp_path / "a" / "log.txt").read_text()  # nothing left out silently
+    for epoch in (1, 2):
+        assert f"epoch {epoch}: its last 4 examples do not fill an update of 8 and were left out" in log
 
 
 def worker(workdir, out, slow=0.0):
@@ -135,6 +138,7 @@ def test_a_generator_killed_mid_epoch_resumes_bitwise_equal_to_an_uninterrupted_
     assert p.returncode == 0, log[-3000:]
     assert "finished at step 10" in log
     resumed = dict(np.load(out))
+    del resumed["collated"]
     assert "resumed from" in (workdir / "log.txt").read_text()
     uninterrupted = stream_worker.train(tmp_path / "uninterrupted")
     expected = {"w": np.asarray(uninterrupted.params["w"]), "b": np.asarray(uninterrupted.params["b"])}
@@ -257,3 +261,28 @@ def test_a_stream_that_ends_before_an_update_in_a_later_epoch_is_named():
     with pytest.raises(ConfigError, match=r"ended after 4 examples in epoch 2, fewer than one update"):
         trainer.fit(of_epoch, 1, 2, shuffle=False)
     assert trainer.step == 5
+
+
+@pytest.mark.slow  # ~1 min: two processes
+def test_two_processes_read_the_same_stream_and_collate_only_their_rows(tmp_path):
+    from test_multiprocess import child_env, free_port
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, WORKER, str(tmp_path / "workdir"), str(tmp_path / f"out{i}.npz"), "0",
+         str(i), "2", str(port), "4"], env=child_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=500)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    collated = []
+    single = stream_worker.train(tmp_path / "single", collated=collated)
+    assert collated == [8] * 10  # one process: the whole batch of 8, 5 updates an epoch
+    for i in range(2):
+        out = dict(np.load(tmp_path / f"out{i}.npz"))
+        assert out["collated"].tolist() == [4] * 10  # each of 2 processes: its own 4 rows
+        for k in ("w", "b"):  # the same updates, up to the order of the sums across processes
+            np.testing.assert_allclose(out[k], np.asarray(single.params[k]), rtol=1e-5, atol=1e-6)
