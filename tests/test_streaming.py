@@ -280,9 +280,10 @@ def test_two_processes_read_the_same_stream_and_collate_only_their_rows(tmp_path
         assert p.returncode == 0, log[-3000:]
     collated = []
     single = stream_worker.train(tmp_path / "single", collated=collated)
-    assert collated == [8] * 10  # one process: the whole batch of 8, 5 updates an epoch
+    # the first batch collated once to trace the loss, then 10 updates (5 an epoch)
+    assert collated == [8] * 11  # one process: the whole batch of 8
     for i in range(2):
         out = dict(np.load(tmp_path / f"out{i}.npz"))
-        assert out["collated"].tolist() == [4] * 10  # each of 2 processes: its own 4 rows
+        assert out["collated"].tolist() == [4] * 11  # each of 2 processes: its own 4 rows
         for k in ("w", "b"):  # the same updates, up to the order of the sums across processes
             np.testing.assert_allclose(out[k], np.asarray(single.params[k]), rtol=1e-5, atol=1e-6)
