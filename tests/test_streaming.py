@@ -66,6 +66,19 @@ def test_a_generator_trains_as_the_same_examples_in_a_list_without_shuffle():
     assert_bitwise(generator.params, reference.params)
 
 
+def test_a_stream_with_accumulated_micro_batches_trains_as_the_list():
+    def run(train_examples):
+        deployer = Deployer(jax_seed=0, verbose=False)
+        params = {"w": np.zeros((4, 1), np.float32), "b": np.zeros((1,), np.float32)}
+        trainer = Trainer(deployer, collate, None, noisy_mse, params, optax.adam(0.05),
+                          accumulate_grad_batches=2)
+        trainer.fit(train_examples, 1, 1, shuffle=False)
+        return trainer
+    streamed, listed = run(iter(examples())), run(examples())
+    assert streamed.step == listed.step == 2  # updates of 16; 4 examples left out
+    assert_bitwise(streamed.params, listed.params)
+
+
 def test_a_function_of_the_epoch_returning_a_generator_streams_each_epoch():
     asked = []
 
