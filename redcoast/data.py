@@ -2,7 +2,8 @@
 
 Each process collates only the rows of the global batch that its own devices hold, and the
 global array is assembled with ``jax.make_array_from_process_local_data``. The next batch is
-prepared in a background thread while the devices compute.
+prepared in a background thread while the devices compute. A stream (an iterable without a
+length) is read in order by every process, an update at a time (:class:`Stream`).
 """
 
 import inspect
