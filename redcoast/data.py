@@ -2,9 +2,13 @@
 
 Each process collates only the rows of the global batch that its own devices hold, and the
 global array is assembled with ``jax.make_array_from_process_local_data``. The next batch is
-prepared in a background thread while the devices compute.
+prepared in a background thread while the devices compute. A stream (an iterable without a
+length) is read in order by every process, an update at a time (:class:`Stream`).
 """
 
+import inspect
+import itertools
+import operator
 import queue
 import threading
 from collections.abc import Mapping
@@ -40,31 +44,156 @@ def process_rows(mesh, global_rows):
     return start, stop
 
 
+def is_sequence(examples):
+    """Indexable with a length (a list, a sequence, a ``datasets.Dataset``): shuffled by epoch."""
+    return hasattr(examples, "__len__") and hasattr(examples, "__getitem__")
+
+
+def is_iterator(examples):
+    """A one-shot iterator (a generator object, ``map(...)``, an open file): readable once."""
+    return hasattr(examples, "__next__") and iter(examples) is examples
+
+
 def as_examples(examples):
     """``examples`` indexable with a length: a list, a sequence, a ``datasets.Dataset``; any other
     iterable (a generator, an iterable dataset) is read into a list once."""
-    if hasattr(examples, "__len__") and hasattr(examples, "__getitem__"):
+    if is_sequence(examples):
         return examples
     return list(examples)
 
 
-def examples_by_epoch(train_examples):
-    """``epoch -> that epoch's examples``. ``train_examples`` may be a function of the epoch
-    (called as ``train_examples(epoch_idx=epoch)`` when it names that argument, as redco did, else
-    with the epoch), called once per epoch, or examples for every epoch."""
-    if callable(train_examples) and not hasattr(train_examples, "__getitem__"):
-        from .compat.calls import by_keyword  # redco's calling convention, kept apart
-        make = by_keyword(train_examples, ("epoch_idx",))
-        cache = {}
+def is_endless(iterable):
+    """True for the iterators known never to end (``itertools.count``, ``cycle``, ``repeat``
+    without ``times``); any other stream may or may not end, which cannot be told in advance."""
+    if isinstance(iterable, (itertools.count, itertools.cycle)):
+        return True
+    return isinstance(iterable, itertools.repeat) and operator.length_hint(iterable, -1) < 0
 
-        def of_epoch(epoch):
-            if epoch not in cache:
-                cache.clear()
-                cache[epoch] = as_examples(make(epoch))
-            return cache[epoch]
-        return of_epoch
-    examples = as_examples(train_examples)
-    return lambda epoch: examples
+
+class Stream:
+    """One epoch's examples read in order from an iterable, an update at a time, never all held.
+
+    ``peek(n)`` reads the first ``n`` ahead (kept, not lost); ``skip(n)`` drops the first ``n``
+    without collating them (a resume's fast-forward); ``updates(per_update)`` yields lists of
+    ``per_update`` examples until the iterable ends, leaving the last incomplete group's size in
+    ``leftover`` (those examples are not trained on, as the last incomplete batch of a sequence).
+    """
+
+    def __init__(self, iterable):
+        self.endless = is_endless(iterable)
+        self._iterator = iter(iterable)
+        self._head = []  # read by peek, not handed out yet
+        self.leftover = 0
+
+    def _next(self):
+        if self._head:
+            return self._head.pop(0)
+        return next(self._iterator)
+
+    def peek(self, n):
+        while len(self._head) < n:
+            try:
+                self._head.append(next(self._iterator))
+            except StopIteration:
+                break
+        return self._head[:n]
+
+    def skip(self, n):
+        """Drop the next ``n`` examples; returns how many there were (fewer if the stream ended)."""
+        dropped = min(n, len(self._head))
+        del self._head[:dropped]
+        for dropped in range(dropped, n):
+            try:
+                next(self._iterator)
+            except StopIteration:
+                return dropped
+        return n
+
+    def updates(self, per_update):
+        while True:
+            group = []
+            try:
+                while len(group) < per_update:
+                    group.append(self._next())
+            except StopIteration:
+                self.leftover = len(group)
+                return
+            yield group
+
+
+def _epoch_function(fn):
+    """``fn`` as a function of the epoch: ``fn(epoch_idx=epoch)`` when it names that argument (as
+    redco did), ``fn()`` when it takes no argument, else ``fn(epoch)``."""
+    try:
+        signature = inspect.signature(fn)
+        signature.bind(0)
+    except TypeError:
+        try:
+            signature.bind()
+            return lambda epoch: fn()
+        except TypeError:
+            pass
+    except ValueError:  # no signature to read (some builtins): called with the epoch
+        pass
+    from .compat.calls import by_keyword  # redco's calling convention, kept apart
+    return by_keyword(fn, ("epoch_idx",))
+
+
+def _sequence_or_stream(examples):
+    return examples if is_sequence(examples) else Stream(examples)
+
+
+def examples_by_epoch(train_examples):
+    """``epoch -> that epoch's examples``: a sequence (shuffled by epoch), or a :class:`Stream`
+    read in order. ``train_examples`` may be
+
+    - a sequence: the same examples every epoch;
+    - a function of the epoch (called as ``train_examples(epoch_idx=epoch)`` when it names that
+      argument, as redco did, with no argument when it takes none, else with the epoch), called
+      once per epoch, returning a sequence or any iterable;
+    - a re-iterable without a length (a ``datasets.IterableDataset``, an object with ``__iter__``):
+      iterated afresh each epoch (``set_epoch(epoch)`` called first where it has one, so its own
+      shuffling follows the epoch);
+    - a one-shot iterator (a generator object): read once, so for one epoch only.
+    """
+    if callable(train_examples) and not hasattr(train_examples, "__getitem__"):
+        make = _epoch_function(train_examples)
+        return _cached_by_epoch(lambda epoch: _sequence_or_stream(make(epoch)))
+    if is_sequence(train_examples):
+        return lambda epoch: train_examples
+    if is_iterator(train_examples):
+        stream, first = Stream(train_examples), []
+
+        def once(epoch):
+            if not first:
+                first.append(epoch)
+            if epoch != first[0]:
+                raise DataError(
+                    f"train_examples is an iterator ({type(train_examples).__name__}), read to its "
+                    f"end in epoch {first[0] + 1}; it cannot be read again for epoch {epoch + 1}. "
+                    "Fix: pass a function returning a fresh iterator (e.g. `lambda epoch: "
+                    "my_generator(epoch)`), a re-iterable (a list, a datasets.IterableDataset), "
+                    "or n_epochs=1.")
+            return stream
+        return once
+
+    def fresh(epoch):
+        if hasattr(train_examples, "set_epoch"):
+            train_examples.set_epoch(epoch)
+        return Stream(train_examples)
+    return _cached_by_epoch(fresh)
+
+
+def _cached_by_epoch(make):
+    """``make(epoch)`` called once per epoch (the last epoch's result kept)."""
+    cache = {}
+
+    def of_epoch(epoch):
+        if epoch not in cache:
+            cache.clear()
+            cache[epoch] = make(epoch)
+        return cache[epoch]
+    return of_epoch
 
 
 def take(examples, indices):

@@ -119,14 +119,28 @@ class Deployer:
         self._rng, rng = jax.random.split(self._rng)
         return rng
 
-    def get_lr_schedule_fn(self, train_size, per_device_batch_size, n_epochs, learning_rate,
-                           schedule_type="linear", warmup_rate=0.0, warmup_steps=None,
-                           init_learning_rate=0.0, end_learning_rate=0.0,
-                           accumulate_grad_batches=1):
-        """An optax schedule over the run's optimizer updates (not its micro-batches)."""
-        per_epoch = n_updates_per_epoch(train_size, self.global_batch_size(per_device_batch_size),
-                                        accumulate_grad_batches)
-        total = per_epoch * int(n_epochs)
+    def get_lr_schedule_fn(self, train_size=None, per_device_batch_size=None, n_epochs=None,
+                           learning_rate=None, schedule_type="linear", warmup_rate=0.0,
+                           warmup_steps=None, init_learning_rate=0.0, end_learning_rate=0.0,
+                           accumulate_grad_batches=1, max_steps=None):
+        """An optax schedule over the run's optimizer updates (not its micro-batches): as many
+        as ``n_epochs`` of ``train_size`` examples give, or ``max_steps`` (as ``fit``'s: the
+        fewer of the two when both are known; ``max_steps`` alone for a stream of unknown size)."""
+        if learning_rate is None:
+            raise ConfigError("get_lr_schedule_fn needs learning_rate=... (the peak rate).")
+        if max_steps is not None and (train_size is None or n_epochs is None):
+            total = int(max_steps)
+        elif train_size is None or per_device_batch_size is None or n_epochs is None:
+            raise ConfigError(
+                "get_lr_schedule_fn needs the run's length: train_size, per_device_batch_size and "
+                "n_epochs, or max_steps (the updates fit(max_steps=...) trains for). Fix: pass "
+                "max_steps=... when the examples are a stream of unknown size.")
+        else:
+            per_epoch = n_updates_per_epoch(train_size, self.global_batch_size(per_device_batch_size),
+                                            accumulate_grad_batches)
+            total = per_epoch * int(n_epochs)
+            if max_steps is not None:
+                total = min(total, int(max_steps))
         if warmup_steps is None:
             warmup_steps = int(round(warmup_rate * total))
         return make_lr_schedule(total, learning_rate, schedule_type=schedule_type,

@@ -1,5 +1,6 @@
 """The training loop around one jitted, sharded step."""
 
+import itertools
 import math
 import os
 import time
@@ -13,8 +14,9 @@ from tqdm.auto import tqdm
 from . import validate
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
-from .data import BatchMaker, as_examples, epoch_order, examples_by_epoch, padded_batches, prefetch
-from .errors import ConfigError, NonFiniteLossError
+from .data import (BatchMaker, Stream, epoch_order, examples_by_epoch, is_iterator, is_sequence,
+                   padded_batches, prefetch)
+from .errors import ConfigError, DataError, NonFiniteLossError
 from .host import to_host
 from .layout import Candidate, Layout, choose, estimate, format_table
 from .predictor import Predictor
@@ -221,8 +223,17 @@ class Trainer:
         self._eval_rng = jax.device_put(self._eval_rng, self._replicated)
 
     def _first_batch(self, examples, order, per_device_batch_size):
-        """One micro-batch on the current mesh, for tracing and measuring the step."""
+        """One micro-batch on the current mesh, for tracing and measuring the step (from a
+        :class:`Stream`, its next examples, read ahead and kept for training)."""
         global_batch = self.deployer.global_batch_size(per_device_batch_size)
+        if isinstance(examples, Stream):
+            examples = examples.peek(global_batch)
+            if len(examples) < global_batch:
+                raise ConfigError(
+                    f"train_examples ended after {len(examples)} examples, fewer than one batch of "
+                    f"{global_batch} (per_device_batch_size={per_device_batch_size} x "
+                    f"{self.deployer.n_data_shards} data shards). Fix: use a smaller batch size.")
+            order = np.arange(global_batch)
         return BatchMaker(self.deployer.mesh, self.collate_fn, global_batch).make(
             examples, order[:global_batch])
 
@@ -317,25 +328,44 @@ class Trainer:
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
               log_every_n_steps=10, start_position=0, after_step=None):
-        """One pass over ``examples`` (shuffled from the seed and ``epoch``), from update
-        ``start_position`` of the epoch on; the last incomplete batch is dropped.
+        """One pass over ``examples`` from update ``start_position`` of the epoch on: a sequence
+        is shuffled from the seed and ``epoch``; any other iterable (a generator, a
+        ``datasets.IterableDataset``, a :class:`~redcoast.data.Stream`) is read in order until it
+        ends, its first ``start_position`` updates' examples skipped without collating. The last
+        incomplete update is not trained on (a stream's count of them is in its ``leftover``).
 
         ``after_step(position)`` runs after each update (``position`` updates of this epoch
         done); if it returns True the epoch stops there. Returns the position reached.
         """
         validate.positive_int("log_every_n_steps", log_every_n_steps)
         k = self.accumulate_grad_batches
-        examples = as_examples(examples)
-        order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
-        self._settle_model_shards(lambda: self._first_batch(examples, order, per_device_batch_size))
         global_batch = self.deployer.global_batch_size(per_device_batch_size)
         per_update = global_batch * k
-        n_steps = self.updates_per_epoch(len(examples), per_device_batch_size)
+        stream = None if is_sequence(examples) else (
+            examples if isinstance(examples, Stream) else Stream(examples))
+        if stream is None:
+            order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
+            n_steps = self.updates_per_epoch(len(examples), per_device_batch_size)
+        else:
+            examples, order, n_steps = stream, None, None  # its length is unknown until it ends
+            skipped = stream.skip(start_position * per_update)
+            if skipped < start_position * per_update:
+                raise DataError(
+                    f"train_examples ended after {skipped} examples of epoch {epoch + 1}, but "
+                    f"{start_position * per_update} of them were trained on before the resumed "
+                    "checkpoint: it is not the stream the interrupted run read. Fix: give the "
+                    "same examples in the same order on resume (a function of the epoch or a "
+                    "re-iterable that starts the epoch afresh), or resume=False.")
+        self._settle_model_shards(lambda: self._first_batch(examples, order, per_device_batch_size))
         if not self._plan_final:  # trace the loss on one micro-batch
             self._finalize_plan(self._first_batch(examples, order, per_device_batch_size))
         maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch, micro_batches=k)
-        batches = prefetch(maker.make(examples, order[i * per_update:(i + 1) * per_update])
-                           for i in range(start_position, n_steps))
+        if stream is None:
+            batches = prefetch(maker.make(examples, order[i * per_update:(i + 1) * per_update])
+                               for i in range(start_position, n_steps))
+        else:  # every process reads the whole stream and collates only its own rows
+            rows = np.arange(per_update)
+            batches = prefetch(maker.make(group, rows) for group in stream.updates(per_update))
         bar = tqdm(total=n_steps, initial=start_position, desc=desc or "train", dynamic_ncols=True,
                    disable=not (self.deployer.verbose and jax.process_index() == 0))
         pending, timed, since = [], 0, time.perf_counter()
@@ -356,8 +386,16 @@ class Trainer:
                 bar.update(1)
                 if after_step is not None and after_step(position):
                     break
+            if pending:  # the end of a stream, or a stop before the logging interval
+                self._log_train(pending, bar, batch, timed, since)
         finally:
             bar.close()
+        if stream is not None and start_position == 0 and position == 0:
+            raise ConfigError(
+                f"train_examples ended after {stream.leftover} examples in epoch {epoch + 1}, "
+                f"fewer than one update of {per_update} (per_device_batch_size="
+                f"{per_device_batch_size} x {self.deployer.n_data_shards} data shards x "
+                f"accumulate_grad_batches={k}). Fix: use a smaller batch size.")
         return position
 
     def _check_finite(self):
@@ -455,6 +493,9 @@ class Trainer:
         """Start saving the full training state to ``store`` (a :class:`CheckpointStore`)."""
         self._check_finite()
         meta = {"step": self._host_step, "epoch": int(epoch), "position": int(position),
+                # examples of the epoch trained on (a stream's resume skips them)
+                "examples_in_epoch": int(position) * int((config or {}).get("global_batch_size", 0))
+                * self.accumulate_grad_batches,
                 "train_rng": key_to_json(to_host(self._train_rng)),
                 "eval_rng": key_to_json(to_host(self._eval_rng)),
                 "best": dict(self._best), "config": config or {}}
@@ -479,20 +520,30 @@ class Trainer:
             eval_metric_fn=None, save_every_n_steps=None, save_every_k_epochs=None,
             save_last_ckpt=False, save_argmin_ckpt_by_metrics=None,
             save_argmax_ckpt_by_metrics=None, keep_last_n_ckpts=None, resume=True,
-            log_every_n_steps=10, shuffle=True):
-        """Train for ``n_epochs``, evaluating after each epoch, saving and resuming as asked.
+            log_every_n_steps=10, shuffle=True, max_steps=None, eval_every_n_steps=None):
+        """Train for ``n_epochs`` (or until ``max_steps`` updates in all, whichever comes first;
+        ``n_epochs=None`` with ``max_steps``: as many epochs as that takes), evaluating after each
+        epoch, every ``eval_every_n_steps`` updates and at ``max_steps``, saving and resuming as
+        asked.
 
-        ``eval_metric_fn(eval_examples, predictions) -> dict`` scores ``eval_predictor``'s
-        predictions. Checkpoints go to ``workdir/checkpoints``: ``steps/`` every
-        ``save_every_n_steps`` updates, every ``save_every_k_epochs`` epochs, at the end
+        ``train_examples``: a sequence (a list, a ``datasets.Dataset``), shuffled each epoch
+        from the seed; any other iterable (a generator, a ``datasets.IterableDataset``) is
+        streamed in order, an update at a time, an epoch ending where it ends (an endless one
+        needs ``max_steps``); or a function of the epoch returning either (see
+        :func:`redcoast.data.examples_by_epoch`). The last incomplete update of an epoch is not
+        trained on. ``eval_metric_fn(eval_examples, predictions) -> dict`` scores
+        ``eval_predictor``'s predictions. Checkpoints go to ``workdir/checkpoints``: ``steps/``
+        every ``save_every_n_steps`` updates, every ``save_every_k_epochs`` epochs, at the end
         (``save_last_ckpt``) and on SIGTERM/SIGINT; ``best_min_<name>/`` and ``best_max_<name>/``
         keep the best by an eval result ('loss' or a key of ``eval_metric_fn``'s dict). With
         ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
-        exactly as if it had never stopped.
+        exactly as if it had never stopped (a stream is started afresh and the examples already
+        trained on skipped).
         """
         validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
                           eval_per_device_batch_size, save_every_n_steps, save_every_k_epochs,
-                          keep_last_n_ckpts, log_every_n_steps, train_examples)
+                          keep_last_n_ckpts, log_every_n_steps, train_examples,
+                          max_steps=max_steps, eval_every_n_steps=eval_every_n_steps)
         save_min = list(save_argmin_ckpt_by_metrics or [])
         save_max = list(save_argmax_ckpt_by_metrics or [])
         wants_saving = bool(save_every_n_steps or save_every_k_epochs or save_last_ckpt
@@ -501,17 +552,36 @@ class Trainer:
         if wants_saving and workdir is None:
             raise ConfigError("Saving checkpoints needs a workdir. Fix: pass workdir=... to Deployer.")
         eval_bs = eval_per_device_batch_size or per_device_batch_size
-        examples_of = examples_by_epoch(train_examples)  # a function of the epoch, or fixed examples
-        train_examples = examples_of(self._first_epoch)
-        order = epoch_order(len(train_examples), self.deployer.jax_seed, 0, shuffle)
-        self._settle_model_shards(lambda: self._first_batch(train_examples, order, per_device_batch_size))
-        n_steps = self.updates_per_epoch(len(train_examples), per_device_batch_size)
+        one_shot = is_iterator(train_examples)
+        examples_of = examples_by_epoch(train_examples)  # epoch -> a sequence or a Stream
+        first = examples_of(self._first_epoch)
+        streamed = isinstance(first, Stream)
+        if streamed and first.endless and max_steps is None:
+            raise ConfigError("train_examples never ends, so its first epoch would never end. Fix: "
+                              "pass max_steps=... (the number of updates to train for).")
+        if one_shot and max_steps is None and n_epochs > 1:
+            raise ConfigError(
+                f"train_examples is an iterator ({type(train_examples).__name__}), which can be "
+                f"read once, but n_epochs={n_epochs}. Fix: pass a function returning a fresh "
+                "iterator each epoch (e.g. `lambda epoch: my_generator(epoch)`), a re-iterable "
+                "(a list, a datasets.IterableDataset), or n_epochs=1.")
+        order = None if streamed else epoch_order(len(first), self.deployer.jax_seed, 0, shuffle)
+        self._settle_model_shards(lambda: self._first_batch(first, order, per_device_batch_size))
+        n_steps = None if streamed else self.updates_per_epoch(len(first), per_device_batch_size)
         config = {"jax_seed": self.deployer.jax_seed, "n_model_shards": self.deployer.n_model_shards,
                   "n_data_shards": self.deployer.n_data_shards, "n_processes": jax.process_count(),
                   "global_batch_size": self.deployer.global_batch_size(per_device_batch_size),
                   "accumulate_grad_batches": self.accumulate_grad_batches,
-                  "train_size": len(train_examples), "n_epochs": n_epochs, "shuffle": shuffle,
+                  "train_size": None if streamed else len(first), "n_epochs": n_epochs,
+                  "max_steps": max_steps, "shuffle": shuffle,
                   "compute_dtype": str(jnp.dtype(self.compute_dtype))}
+        per_update = config["global_batch_size"] * self.accumulate_grad_batches
+        fixed = is_sequence(train_examples)  # the same examples every epoch
+        if fixed and len(first) % per_update:  # said once, not every epoch
+            self.deployer.log_info(
+                f"each epoch trains on {n_steps * per_update} of the {len(first)} examples: the "
+                f"last {len(first) % per_update} of its order (shuffled anew each epoch) do not "
+                f"fill an update of {per_update} and are left out.")
         store = lock = None
         if workdir is not None and (wants_saving or resume):
             lock = WorkdirLock(workdir, logger=self.deployer.logger).acquire()
@@ -526,9 +596,19 @@ class Trainer:
             if meta is not None:
                 start_epoch, start_position = meta["epoch"], meta["position"]
                 self._warn_if_config_changed(meta.get("config", {}), config)
+                into = (f"{start_position}/{n_steps} updates" if not streamed else
+                        f"{start_position} updates ({start_position * per_update} examples)")
                 self.deployer.log_info(
                     f"resumed from {store.directory}/{meta['step']}: step {meta['step']}, epoch "
-                    f"{start_epoch + 1}, {start_position}/{n_steps} updates into it")
+                    f"{start_epoch + 1}, {into} into it")
+                if one_shot and start_position:
+                    self.deployer.log_warning(
+                        f"train_examples is an iterator ({type(train_examples).__name__}), which "
+                        f"cannot be rewound: resuming skips the first {start_position * per_update} "
+                        "examples it gives, as the interrupted run trained on those; that is "
+                        "right only if it starts where that run's started. Fix: pass a function "
+                        "returning a fresh iterator (`lambda epoch: my_generator(epoch)`, or one "
+                        "with no argument) or a re-iterable (a datasets.IterableDataset).")
 
         def save(epoch, position):
             if store is not None:
@@ -536,34 +616,77 @@ class Trainer:
 
         multi_process = jax.process_count() > 1
         evaluation = (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn)
+        evaluated = {}  # host step -> eval results (one evaluation per step)
+
+        def evaluate(label):
+            if self._host_step not in evaluated:
+                evaluated.clear()
+                evaluated[self._host_step] = self._evaluate_epoch(*evaluation, label)
+            return evaluated[self._host_step]
+
+        stopped = []  # why the last epoch's train() stopped early: "max_steps" or "signal"
+        end = (n_epochs, 0)  # where a run continuing this one would start
         try:
             with PreemptionGuard() as guard:
                 def after_step(position):
-                    if save_every_n_steps and self._host_step % save_every_n_steps == 0:
+                    step = self._host_step
+                    if eval_every_n_steps and step % eval_every_n_steps == 0:
+                        results = evaluate(f"step {step}")
+                        self._save_best(results, epoch, position, save_min, save_max, workdir, config)
+                    if save_every_n_steps and step % save_every_n_steps == 0:
                         save(epoch, position)
+                    if max_steps is not None and step >= max_steps:
+                        stopped.append("max_steps")
+                        return True
                     # one process alone may get the signal: agree at the logging interval
                     check = position % log_every_n_steps == 0 or position == n_steps or not multi_process
-                    return check and guard.requested_anywhere()
+                    if check and guard.requested_anywhere():
+                        stopped.append("signal")
+                        return True
+                    return False
 
-                for epoch in range(start_epoch, n_epochs):
+                epochs = range(start_epoch, n_epochs) if n_epochs is not None else itertools.count(start_epoch)
+                for epoch in epochs:
+                    if max_steps is not None and self._host_step >= max_steps:  # resumed at the end
+                        end = (epoch, start_position if epoch == start_epoch else 0)
+                        break
                     train_examples = examples_of(epoch)
-                    n_steps = self.updates_per_epoch(len(train_examples), per_device_batch_size)
+                    streamed = isinstance(train_examples, Stream)  # a function may change kind
+                    n_steps = None if streamed else self.updates_per_epoch(len(train_examples),
+                                                                           per_device_batch_size)
                     position = start_position if epoch == start_epoch else 0
-                    if position < n_steps:
+                    stopped.clear()
+                    of = f"/{n_epochs}" if n_epochs is not None else ""
+                    if n_steps is None or position < n_steps:
                         position = self.train(train_examples, per_device_batch_size, epoch=epoch,
-                                              shuffle=shuffle, desc=f"epoch {epoch + 1}/{n_epochs}",
+                                              shuffle=shuffle, desc=f"epoch {epoch + 1}{of}",
                                               log_every_n_steps=log_every_n_steps,
                                               start_position=position, after_step=after_step)
-                    if position < n_steps:  # stopped by a signal
+                    # a stream's end is known only once read: stopped early, it may hold more
+                    finished = not stopped or position == n_steps
+                    if not finished and stopped[0] == "signal":
                         self._stop_for_preemption(store, guard, epoch, position, config)
-                    results = self._evaluate_epoch(*evaluation, epoch, n_epochs)
-                    self._save_best(results, epoch, save_min, save_max, workdir, config)
-                    if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:
-                        save(epoch + 1, 0)
+                    if finished:
+                        left = (train_examples.leftover if streamed else
+                                0 if fixed else len(train_examples) % per_update)
+                        if left:
+                            self.deployer.log_info(
+                                f"epoch {epoch + 1}: its last {left} examples do not fill an "
+                                f"update of {per_update} and were left out.")
+                        results = evaluate(f"epoch {epoch + 1}{of}")
+                        self._save_best(results, epoch + 1, 0, save_min, save_max, workdir, config)
+                        if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:
+                            save(epoch + 1, 0)
+                    if stopped and stopped[0] == "max_steps":
+                        if not finished:
+                            results = evaluate(f"step {self._host_step} (max_steps)")
+                            self._save_best(results, epoch, position, save_min, save_max, workdir, config)
+                        end = (epoch + 1, 0) if finished else (epoch, position)
+                        break
                     if guard.requested_anywhere():
                         self._stop_for_preemption(store, guard, epoch + 1, 0, config)
                 if save_last_ckpt:
-                    save(n_epochs, 0)
+                    save(*end)
         finally:  # whatever happened, finish writing the checkpoints already started
             if store is not None:
                 store.close()
@@ -598,7 +721,7 @@ class Trainer:
         raise SystemExit(0)
 
     def _evaluate_epoch(self, eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn,
-                        epoch, n_epochs):
+                        label):
         results = {}
         if eval_examples is None:
             return results
@@ -611,11 +734,13 @@ class Trainer:
         if results:
             shown = ", ".join(f"{k} = {v:.4f}" if isinstance(v, float) else f"{k} = {v}"
                               for k, v in results.items())
-            self.deployer.log_info(f"epoch {epoch + 1}/{n_epochs}: eval {shown}")
+            self.deployer.log_info(f"{label}: eval {shown}")
             self.deployer.log_metrics({f"eval_{k}": v for k, v in results.items()}, self._host_step)
         return results
 
-    def _save_best(self, results, epoch, save_min, save_max, workdir, config):
+    def _save_best(self, results, epoch, position, save_min, save_max, workdir, config):
+        """Keep the best checkpoints by eval results; ``(epoch, position)``: where a run resumed
+        from one would start."""
         for name, better in [(m, min) for m in save_min] + [(m, max) for m in save_max]:
             if name not in results:
                 raise ConfigError(f"Cannot keep the best checkpoint by '{name}': the evaluation "
@@ -627,10 +752,10 @@ class Trainer:
             self._best[tag] = value
             best_store = CheckpointStore(os.path.join(workdir, "checkpoints", tag), keep_last_n=1,
                                          logger=self.deployer.logger, replace_existing=True)
-            self.save_checkpoint(best_store, epoch + 1, 0, config)
+            self.save_checkpoint(best_store, epoch, position, config)
             best_store.close()
             self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
-                                   f"(epoch {epoch + 1}) in {best_store.directory}")
+                                   f"(step {self._host_step}) in {best_store.directory}")
 
     def _warn_if_config_changed(self, saved, current):
         changed = [k for k in ("jax_seed", "global_batch_size", "accumulate_grad_batches",

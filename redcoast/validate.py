@@ -28,7 +28,8 @@ def optional_positive_int(name, value, hint=""):
 
 def non_negative_int(name, value):
     if not _is_int(value) or value < 0:
-        raise ConfigError(f"{name}={value!r}; it must be an integer >= 0.")
+        hint = " (None only with max_steps)" if name == "n_epochs" else ""
+        raise ConfigError(f"{name}={value!r}; it must be an integer >= 0{hint}.")
     return int(value)
 
 
@@ -48,12 +49,21 @@ def non_empty_examples(name, examples):
 
 def fit_args(per_device_batch_size, n_epochs, eval_examples, eval_per_device_batch_size,
              save_every_n_steps, save_every_k_epochs, keep_last_n_ckpts, log_every_n_steps,
-             train_examples):
+             train_examples, max_steps=None, eval_every_n_steps=None):
     """Every argument of ``Trainer.fit`` that a typo can make wrong, checked before any work."""
     from .checkpoint import check_keep_last_n
 
     positive_int("per_device_batch_size", per_device_batch_size)
-    non_negative_int("n_epochs", n_epochs)
+    if max_steps is not None:
+        positive_int("max_steps", max_steps, " Fix: the number of optimizer updates to train for, "
+                     "or None to train for n_epochs.")
+    if n_epochs is not None or max_steps is None:
+        non_negative_int("n_epochs", n_epochs)
+    eval_every = optional_positive_int("eval_every_n_steps", eval_every_n_steps)
+    if eval_every and eval_examples is None:
+        raise ConfigError(f"eval_every_n_steps={eval_every_n_steps} but eval_examples is None, so "
+                          "there is nothing to evaluate. Fix: pass eval_examples=..., or leave "
+                          "eval_every_n_steps out.")
     positive_int("log_every_n_steps", log_every_n_steps)
     if eval_per_device_batch_size is not None:
         positive_int("eval_per_device_batch_size", eval_per_device_batch_size)

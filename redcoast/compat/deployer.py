@@ -45,15 +45,17 @@ class Deployer(core.Deployer):
         self._redco_accumulation[int(per_device_batch_size)] = k
         return k
 
-    def get_lr_schedule_fn(self, train_size, per_device_batch_size, n_epochs, learning_rate,
-                           schedule_type="linear", warmup_rate=0.0, warmup_steps=None,
-                           init_learning_rate=0.0, end_learning_rate=0.0,
-                           accumulate_grad_batches=None, warmup_ratio=None):
+    def get_lr_schedule_fn(self, train_size=None, per_device_batch_size=None, n_epochs=None,
+                           learning_rate=None, schedule_type="linear", warmup_rate=0.0,
+                           warmup_steps=None, init_learning_rate=0.0, end_learning_rate=0.0,
+                           accumulate_grad_batches=None, warmup_ratio=None, max_steps=None):
         """As redcoast's; ``warmup_ratio`` is redco's name for ``warmup_rate``. Without
         ``accumulate_grad_batches``, the value ``get_accumulate_grad_batches`` returned for this
         ``per_device_batch_size`` is used, so the schedule counts optimizer updates."""
         if warmup_ratio is not None:
             warmup_rate = warmup_ratio
+        if accumulate_grad_batches is None and per_device_batch_size is None:
+            accumulate_grad_batches = 1
         if accumulate_grad_batches is None:
             accumulate_grad_batches = self._redco_accumulation.get(int(per_device_batch_size), 1)
             if accumulate_grad_batches > 1:
@@ -67,7 +69,7 @@ class Deployer(core.Deployer):
             train_size, per_device_batch_size, n_epochs, learning_rate,
             schedule_type=schedule_type, warmup_rate=warmup_rate, warmup_steps=warmup_steps,
             init_learning_rate=init_learning_rate, end_learning_rate=end_learning_rate,
-            accumulate_grad_batches=accumulate_grad_batches)
+            accumulate_grad_batches=accumulate_grad_batches, max_steps=max_steps)
 
     # ------------------------------------------------------------------ sharding
 
