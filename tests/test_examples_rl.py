@@ -19,6 +19,14 @@ def test_maml_adapts_better_than_before_meta_training():
     assert metrics["query_mse_after"] < 0.8 * metrics["query_mse_zero"], metrics
 
 
+@pytest.mark.examples
+def test_fedavg_global_model_beats_one_client_alone():
+    metrics, _ = run_example("federated_learning")
+    assert metrics["test_acc_fedavg"] > 0.6, metrics  # 10 classes: chance is 0.1
+    assert metrics["test_acc_fedavg"] > metrics["test_acc_single_client"] + 0.25, metrics
+    assert metrics["test_acc_fedavg"] > metrics["test_acc_initial"] + 0.4, metrics
+
+
 def _linear_trainer():
     from redcoast import Deployer, Trainer
 
