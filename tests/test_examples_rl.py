@@ -27,6 +27,14 @@ def test_fedavg_global_model_beats_one_client_alone():
     assert metrics["test_acc_fedavg"] > metrics["test_acc_initial"] + 0.4, metrics
 
 
+@pytest.mark.examples
+def test_ppo_return_rises_far_above_random():
+    metrics, _ = run_example("ppo")
+    assert metrics["return_trained"] > 100, metrics
+    assert metrics["return_trained"] > 4 * metrics["return_random"], metrics
+    assert metrics["return_trained"] > 4 * metrics["return_first_iteration"], metrics
+
+
 def _linear_trainer():
     from redcoast import Deployer, Trainer
 
