@@ -35,6 +35,14 @@ def test_ppo_return_rises_far_above_random():
     assert metrics["return_trained"] > 4 * metrics["return_first_iteration"], metrics
 
 
+@pytest.mark.examples
+def test_ddpg_return_rises_above_random_and_untrained():
+    metrics, _ = run_example("ddpg")
+    # Pendulum's returns are negative (0 best); random policies score about -1200
+    assert metrics["return_trained"] > metrics["return_random"] + 400, metrics
+    assert metrics["return_trained"] > metrics["return_untrained"] + 400, metrics
+
+
 def _linear_trainer():
     from redcoast import Deployer, Trainer
 
