@@ -117,7 +117,7 @@ def main():
     predict_zero = float(np.mean([np.mean(task["query_y"] ** 2) for task in eval_tasks]))
     deployer.log_info(f"held-out query MSE after adaptation, before meta-training: {before:.3f}")
     trainer.fit(train_tasks, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
-                eval_examples=eval_tasks, resume=False, log_every_n_steps=50)
+                eval_examples=eval_tasks, resume=False)
     after = trainer.eval_loss(eval_tasks, per_device_batch_size)
     deployer.log_info(f"held-out query MSE after adaptation: {after:.3f} (before meta-training "
                       f"{before:.3f})")
