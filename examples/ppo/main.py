@@ -96,10 +96,10 @@ def rollout(envs, obs, policy, params, rng, episode_returns, running):
         reward = np.array([r[1] for r in results], np.float32)
         terminated = np.array([r[2] for r in results])
         truncated = np.array([r[3] for r in results])
+        running += reward
         if truncated.any():  # cut by the time limit, not failed: bootstrap from the last state
             reward += GAMMA * np.where(truncated & ~terminated, jax.device_get(
                 policy(params, next_obs, key)[2]), 0.0)
-        running += reward
         steps.append((obs, action, log_prob, value, reward, terminated | truncated))
         for i in np.flatnonzero(terminated | truncated):
             episode_returns.append(float(running[i]))
