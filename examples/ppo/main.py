@@ -160,8 +160,9 @@ def main():
         host_params = jax.device_get(trainer.params)  # act on one device, train on all
         transitions, obs = rollout(envs, obs, policy, host_params, key, returns, running)
         first_returns = first_returns or list(returns)
-        for epoch in range(N_EPOCHS_PER_ITERATION):
-            trainer.train(transitions, PER_DEVICE_BATCH_SIZE, epoch=it * N_EPOCHS_PER_ITERATION + epoch)
+        for epoch in range(N_EPOCHS_PER_ITERATION):  # epoch: the shuffle's seed
+            trainer.train(transitions, PER_DEVICE_BATCH_SIZE,
+                          epoch=it * N_EPOCHS_PER_ITERATION + epoch)
         recent = np.mean(returns[-20:]) if returns else float("nan")
         print(f"iteration {it + 1}/{n_iterations}: {len(returns)} episodes, mean return of the "
               f"last 20 {recent:.1f}")
