@@ -299,6 +299,23 @@ class Trainer:
         """Optimizer updates applied so far."""
         return self._host_step
 
+    def set_params(self, params, reset_opt_state=True):
+        """Continue from ``params`` (the structure and shapes of ``trainer.params``, e.g. a FedAvg
+        round's average) with the steps already compiled; the optimizer state starts afresh
+        unless ``reset_opt_state=False``. The caller's arrays are copied, never donated."""
+        current = jax.tree_util.tree_map(lambda x: (x.shape, jnp.dtype(x.dtype)), self.params)
+        given = jax.tree_util.tree_map(lambda x: (np.shape(x), jnp.dtype(x.dtype)), params)
+        if given != current:
+            raise ConfigError("set_params was given parameters of another structure, shape or "
+                              "dtype than trainer.params. Fix: pass a tree shaped like "
+                              "trainer.params (build a new Trainer for another model).")
+        params = jax.jit(_copy_tree, out_shardings=self._state_shardings.params)(params)
+        state = self._state.replace(params=params)
+        if reset_opt_state:
+            state = state.replace(opt_state=jax.jit(
+                state.tx.init, out_shardings=self._state_shardings.opt_state)(params))
+        self._state = state
+
     def get_default_predictor(self, pred_fn, output_fn=None):
         """A :class:`Predictor` sharing this trainer's collate_fn and parameter placement."""
         predictor = Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn)
@@ -791,3 +808,7 @@ def _abstract(tree):
 
 def _size(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _copy_tree(tree):
+    return jax.tree_util.tree_map(jnp.copy, tree)
