@@ -1,6 +1,7 @@
 """Training on 8 simulated devices equals training on one, whatever the sharding."""
 
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,20 @@ def test_eval_loss_is_the_exact_mean_over_examples(n_eval):
     examples = make_examples(n_eval, seed=3)
     expected = example_losses(model, params, examples).mean()
     assert trainer.eval_loss(examples, per_device_batch_size=2) == pytest.approx(expected, rel=1e-5)
+
+
+def test_evaluate_gives_the_mean_of_every_metric_over_examples():
+    model, params = make_model()
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)
+    trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.adamw(1e-2))
+    examples = make_examples(13, seed=3)
+    state = types.SimpleNamespace(apply_fn=model.apply)
+    one = jax.jit(lambda b: loss_fn(jax.random.PRNGKey(0), state, params, b, False))
+    per_example = [one(collate_fn([e])) for e in examples]  # on one device, one at a time
+    results = trainer.evaluate(examples, per_device_batch_size=2)
+    assert sorted(results) == ["acc", "loss"]
+    assert results["loss"] == pytest.approx(np.mean([float(l) for l, _ in per_example]), rel=1e-5)
+    assert results["acc"] == pytest.approx(np.mean([float(m["acc"]) for _, m in per_example]), rel=1e-5)
 
 
 def test_lr_schedule_counts_optimizer_updates_not_micro_batches():
