@@ -12,3 +12,14 @@ def test_image_classification_beats_chance_and_the_untrained_model():
     assert metrics["n_data_shards"] == 8
     assert metrics["untrained_test_accuracy"] < 0.3  # near chance (10%) before training
     assert metrics["test_accuracy"] > 0.8
+
+
+@pytest.mark.examples
+def test_dp_sgd_learns_within_its_privacy_budget():
+    metrics, _ = run_example("dp_sgd")
+    # the accountant's epsilon for the steps run is the budget asked for, not more
+    assert metrics["epsilon"] <= metrics["target_epsilon"] * (1 + 1e-6)
+    assert metrics["noise_multiplier"] > 1.0  # real noise: epsilon 4 over ~100 steps needs it
+    assert metrics["truncated_examples"] == 0  # every Poisson batch fit its padded size
+    assert metrics["untrained_test_accuracy"] < 0.3  # near chance (10%) before training
+    assert metrics["test_accuracy"] > 0.6
