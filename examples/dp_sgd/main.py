@@ -138,7 +138,7 @@ def main():
     parser.add_argument("--n-epochs", type=int, default=None)
     parser.add_argument("--learning-rate", type=float, default=1.0)
     args = parser.parse_args()
-    n_epochs = args.n_epochs or (10 if args.tiny else 40)
+    n_epochs = args.n_epochs or (10 if args.tiny else 20)
 
     deployer = Deployer(jax_seed=42, n_model_shards=1, workdir=args.workdir)
     train_examples, test_examples = load_examples()
