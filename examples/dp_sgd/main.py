@@ -14,7 +14,8 @@ On redcoast: the per-example gradients come from a custom ``train_step_fn`` (``j
 and the noise are optax's ``differentially_private_aggregate``, the first link of the optimizer.
 Poisson batches vary in size, so each is padded to a fixed size with examples of weight 0, whose
 gradient is exactly zero; ``fit(shuffle=False)`` with ``train_examples`` a function of the epoch
-keeps every padded batch together.
+keeps every padded batch together. (The epsilon covers the trained parameters; the training loss
+the Trainer logs is computed on private batches without noise, so keep such logs private too.)
 """
 
 import argparse
@@ -164,15 +165,16 @@ def main():
     lr_schedule_fn = deployer.get_lr_schedule_fn(
         train_size=steps_per_epoch * batch_size, per_device_batch_size=batch_size // rows,
         n_epochs=n_epochs, learning_rate=args.learning_rate)
+    noise_key = jax.random.wrap_key_data(deployer.gen_rng())  # optax wants a typed key
     optimizer = optax.chain(
-        optax.contrib.differentially_private_aggregate(args.l2_norm_clip, sigma, key=jax.random.wrap_key_data(deployer.gen_rng())),
+        optax.contrib.differentially_private_aggregate(args.l2_norm_clip, sigma, key=noise_key),
         optax.sgd(lr_schedule_fn, momentum=0.9))
     trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=model.apply,
                       loss_fn=loss_fn, params=params, optimizer=optimizer,
                       lr_schedule_fn=lr_schedule_fn, train_step_fn=dp_train_step)
 
     def test_accuracy():
-        return trainer.evaluate(test_examples, per_device_batch_size=45)["acc"]
+        return trainer.evaluate(test_examples, per_device_batch_size=batch_size // rows)["acc"]
 
     untrained = test_accuracy()
     trainer.fit(examples_of_epoch, per_device_batch_size=batch_size // rows, n_epochs=n_epochs,
