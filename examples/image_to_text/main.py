@@ -68,12 +68,13 @@ def encode(caption):
 
 
 def decode(ids):
-    """Generated ids -> the caption (up to the first EOS)."""
+    """Generated ids -> the caption (up to the first EOS; padding left out)."""
     words = []
     for i in ids:
         if i == EOS:
             break
-        words.append(WORDS[i] if i != PAD else "")
+        if i != PAD:
+            words.append(WORDS[i])
     return " ".join(words)
 
 
