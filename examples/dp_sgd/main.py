@@ -148,7 +148,8 @@ def main():
     n_steps = n_epochs * steps_per_epoch
     # room for a Poisson batch 4 standard deviations above its mean, in whole rows of devices
     rows = deployer.n_data_shards
-    batch_size = rows * math.ceil((args.expected_batch_size + 4 * args.expected_batch_size ** 0.5) / rows)
+    mean = args.expected_batch_size
+    batch_size = rows * math.ceil((mean + 4 * mean ** 0.5) / rows)
     sigma = calibrate_noise(args.epsilon, args.delta, q, n_steps)
     deployer.log_info(f"q = {q:.4f}, {n_steps} steps, noise multiplier sigma = {sigma:.4f} "
                       f"for epsilon = {args.epsilon} at delta = {args.delta}", title="DP-SGD")

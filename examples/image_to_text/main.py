@@ -163,9 +163,10 @@ def main():
     _, untrained = scores(model.init(seed=0))  # the parameters training started from
     for ex, caption in list(zip(eval_examples, captions))[:6]:
         deployer.log_info(f"{caption!r:32} (true: {ex['caption']!r})")
+    split = [s for s in jax.tree_util.tree_leaves(trainer.plan.param_specs) if "mp" in str(s)]
     metrics = {**trained, **{f"untrained_{k}": v for k, v in untrained.items()},
                "n_model_shards": deployer.n_model_shards, "n_data_shards": deployer.n_data_shards,
-               "params_split": sum("mp" in str(s) for s in jax.tree_util.tree_leaves(trainer.plan.param_specs))}
+               "params_split": len(split)}
     deployer.log_info(json.dumps(metrics, indent=1), title="Final metrics")
     if args.metrics_out:
         with open(args.metrics_out, "w") as f:
