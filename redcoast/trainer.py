@@ -489,6 +489,11 @@ class Trainer:
         """The mean loss over ``examples`` (loss_fn called with ``is_training=False``)."""
         return self._evaluate(examples, per_device_batch_size, desc=desc)["loss"]
 
+    def evaluate(self, examples, per_device_batch_size):
+        """``{"loss": ..., name: ...}``: the means over ``examples`` of the loss and of every
+        metric ``loss_fn`` returns (``is_training=False``), each example counted exactly once."""
+        return self._evaluate(examples, per_device_batch_size)
+
     def save_params(self, path):
         """Write the current parameters as a safetensors file (readable without redcoast)."""
         save_params(self._state.params, path)

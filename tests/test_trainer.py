@@ -1,6 +1,7 @@
 """Training on 8 simulated devices equals training on one, whatever the sharding."""
 
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,14 @@ def test_eval_loss_is_the_exact_mean_over_examples(n_eval):
     examples = make_examples(n_eval, seed=3)
     expected = example_losses(model, params, examples).mean()
     assert trainer.eval_loss(examples, per_device_batch_size=2) == pytest.approx(expected, rel=1e-5)
+    # evaluate: the same means for the loss and for every metric loss_fn returns
+    state = types.SimpleNamespace(apply_fn=model.apply)
+    acc = jax.jit(lambda b: loss_fn(jax.random.PRNGKey(0), state, params, b, False)[1]["acc"])
+    results = trainer.evaluate(examples, per_device_batch_size=2)
+    assert sorted(results) == ["acc", "loss"]
+    assert results["loss"] == pytest.approx(expected, rel=1e-5)
+    want_acc = np.mean([float(acc(collate_fn([e]))) for e in examples])  # one at a time, one device
+    assert results["acc"] == pytest.approx(want_acc, rel=1e-5)
 
 
 def test_lr_schedule_counts_optimizer_updates_not_micro_batches():
