@@ -10,7 +10,9 @@ allocated) and compiled on one CPU device:
   inside the step (redcoast.lora: ``W + alpha/r * A @ B``), only the adapters trained;
 - freeze: full fine-tuning's step with ``optax.multi_transform`` training only the chosen
   kernels (themselves, not adapters) and ``optax.set_to_zero()`` for the rest (README,
-  "Freezing parameters").
+  "Fine-tuning part of a model");
+- floor: the same with only the first layer's norm scale trained: the backward pass through
+  every layer with no weight gradient, the least any adapter on every layer can cost.
 
 Printed: XLA's ``cost_analysis()`` FLOPs of each compiled step, the compiled step's temporary
 memory (``memory_analysis()``), the optimizer state's bytes, and the ratios LoRA / full.
@@ -89,36 +91,43 @@ def main():
         updates, opt_state = optimizer.update(grads, opt_state, adapters)
         return optax.apply_updates(adapters, updates), opt_state, loss
 
-    chosen = {tuple(p) for p in lora.selected(base)}
-    labels = jax.tree_util.tree_map_with_path(
-        lambda kp, _: "train" if tuple(str(k.key) for k in kp) in chosen else "freeze", base)
-    freezer = optax.multi_transform({"train": optimizer, "freeze": optax.set_to_zero()}, labels)
+    def freezing(trained):
+        """Full fine-tuning's step with only the kernels at ``trained`` paths updated."""
+        labels = jax.tree_util.tree_map_with_path(
+            lambda kp, _: "train" if tuple(str(k.key) for k in kp) in trained else "freeze", base)
+        tx = optax.multi_transform({"train": optimizer, "freeze": optax.set_to_zero()}, labels)
 
-    def freeze_step(params, opt_state, ids):
-        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, cast_floating(p, dtype), ids))(params)
-        updates, opt_state = freezer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        def step(params, opt_state, ids):
+            loss, grads = jax.value_and_grad(lambda p: lm_loss(model, cast_floating(p, dtype), ids))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+        state = jax.eval_shape(tx.init, base)
+        return (sum(int(np.prod(_at(base, p).shape)) for p in trained), nbytes(state),
+                *compiled(step, base, state, ids))
 
-    freeze_state = jax.eval_shape(freezer.init, base)
-    freeze_flops, freeze_temp = compiled(freeze_step, base, freeze_state, ids)
+    # 'floor': only the first layer's norm scale trained: every activation gradient, no weight
+    # gradient (what any adapter placed from the first layer on must at least compute)
+    floor = freezing({("layers", "0", "input_layernorm", "scale")})
+    freeze = freezing({tuple(p) for p in lora.selected(base)})
     full_state = jax.eval_shape(optimizer.init, base)
     lora_state = jax.eval_shape(optimizer.init, adapters)
-    full_flops, full_temp = compiled(full_step, base, full_state, ids)
-    lora_flops, lora_temp = compiled(lora_step, adapters, lora_state, base, ids)
+    full = (count(base), nbytes(full_state), *compiled(full_step, base, full_state, ids))
+    lora_row = (count(adapters), nbytes(lora_state),
+                *compiled(lora_step, adapters, lora_state, base, ids))
 
-    n_base, n_adapters = count(base), count(adapters)
-    print(f"config: SmolLM2-135M shape, {config.num_hidden_layers} layers, {n_base / 1e6:.1f}M "
+    print(f"config: SmolLM2-135M shape, {config.num_hidden_layers} layers, {count(base) / 1e6:.1f}M "
           f"parameters; batch {args.batch} x {args.seq} tokens; compute {jnp.dtype(dtype).name}; "
-          f"adamw; LoRA rank {args.rank} on {len(lora.selected(base))} kernels ({args.targets})")
-    print(f"{'':26s} {'full':>11s} {'lora':>11s} {'freeze':>11s} {'lora/full':>10s} "
-          f"{'freeze/full':>11s}")
-    rows = [("trained parameters", n_base, n_adapters,
-             sum(int(np.prod(np.shape(_at(base, p)))) for p in chosen)),
-            ("optimizer state (bytes)", nbytes(full_state), nbytes(lora_state), nbytes(freeze_state)),
-            ("step FLOPs (compiled)", full_flops, lora_flops, freeze_flops),
-            ("step temp memory (bytes)", full_temp, lora_temp, freeze_temp)]
-    for name, full, lo, fr in rows:
-        print(f"{name:26s} {full:11.4g} {lo:11.4g} {fr:11.4g} {lo / full:10.4f} {fr / full:11.4f}")
+          f"adamw; LoRA rank {args.rank} on {len(lora.selected(base))} kernels ({args.targets}); "
+          "freeze: those kernels trained whole (optax.multi_transform + set_to_zero); floor: "
+          "only layer 0's norm trained")
+    columns = [("full", full), ("lora", lora_row), ("freeze", freeze), ("floor", floor)]
+    print(f"{'':26s}" + "".join(f"{n:>11s}" for n, _ in columns)
+          + "".join(f"{n + '/full':>12s}" for n, _ in columns[1:]))
+    names = ["trained parameters", "optimizer state (bytes)", "step FLOPs (compiled)",
+             "step temp memory (bytes)"]
+    for i, name in enumerate(names):
+        print(f"{name:26s}" + "".join(f"{c[i]:11.4g}" for _, c in columns)
+              + "".join(f"{c[i] / full[i]:12.4f}" for _, c in columns[1:]))
 
 
 def _at(tree, path):
