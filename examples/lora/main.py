@@ -127,6 +127,7 @@ def main():
     trainer = Trainer(deployer, collate_fn, model.apply, make_loss_fn(lora), params=adapters,
                       optimizer=optax.adamw(3e-3, weight_decay=0.0), frozen_params=base,
                       fsdp=False)
+    del base  # the Trainer holds its own copy, placed as given: trainer.frozen_params
     before = trainer.eval_loss(eval_examples, per_device_batch_size)
     print(f"eval loss before: {before:.3f}")
     trainer.fit(train_examples, per_device_batch_size, n_epochs, eval_examples=eval_examples,
@@ -140,7 +141,8 @@ def main():
     save_adapters(lora, trainer.params, os.path.join(args.workdir, "adapters"))
     merged = jax.jit(lora.merge)(trainer.frozen_params, trainer.params)
     if not args.tiny:  # greedy spelling of unseen words, before and after
-        metrics["accuracy_before"] = spelling_accuracy(model, base, tokenizer, words[n_train:])
+        metrics["accuracy_before"] = spelling_accuracy(model, trainer.frozen_params, tokenizer,
+                                                       words[n_train:])
         metrics["accuracy_after"] = spelling_accuracy(model, merged, tokenizer, words[n_train:])
         print(f"exact spelling of unseen words: {metrics['accuracy_before']:.2f} -> "
               f"{metrics['accuracy_after']:.2f}")
