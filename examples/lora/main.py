@@ -106,7 +106,7 @@ def main():
     parser.add_argument("--export", default=None, help="also write a merged Hugging Face folder")
     parser.add_argument("--metrics-out", default=None)
     args = parser.parse_args()
-    n_train, n_eval, n_epochs, longest = (48, 16, 1, 5) if args.tiny else (1024, 128, 2, 7)
+    n_train, n_eval, n_epochs, longest = (48, 16, 1, 5) if args.tiny else (512, 64, 1, 7)
     per_device_batch_size = 2
 
     start = time.time()
