@@ -176,7 +176,8 @@ def test_sharded_lora_training_equals_single_device():
             adapters, opt_state = step(adapters, opt_state, frozen, ids)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4),
                            trainer.params, adapters)
-    assert float(np.abs(np.asarray(adapters["layers"]["1"]["self_attn"]["v_proj"]["kernel"]["lora_b"])).max()) > 1e-3
+    moved = adapters["layers"]["1"]["self_attn"]["v_proj"]["kernel"]["lora_b"]
+    assert float(np.abs(np.asarray(moved)).max()) > 1e-3  # the comparison is not of zeros
 
 
 def test_compiled_lora_step_does_fewer_flops_than_full_fine_tuning():
@@ -214,7 +215,7 @@ def test_adapters_saved_alone_load_back(tmp_path):
 
 
 def test_merged_export_is_read_by_transformers_with_the_adapted_logits(tmp_path):
-    torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0 transformers")
+    torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0")
     transformers = pytest.importorskip("transformers")
     from hf_reference import randomize
     from redcoast.models import from_pretrained, save_pretrained
