@@ -235,3 +235,26 @@ def test_merged_export_is_read_by_transformers_with_the_adapted_logits(tmp_path)
     plain = np.asarray(jax.jit(model.apply)(base, jnp.asarray(ids)))
     assert np.abs(ours - plain).max() > 0.1  # the adapters do change the logits
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+def test_checkpoints_hold_the_adapters_and_resume_with_the_base_given_again(tmp_path):
+    _, base = _model()
+    lora = LoRA(rank=4, alpha=8)
+    examples = _examples(32)
+
+    def run(n_epochs):
+        def loss_fn(rng, state, params, batch, is_training):
+            return _lm_loss(state.apply_fn, lora.merge(state.frozen_params, params), batch["ids"])
+        model, _ = _model()
+        deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, workdir=str(tmp_path))
+        trainer = Trainer(deployer, _collate, model.apply, loss_fn, lora.init(base),
+                          optax.adam(1e-2), frozen_params=base, fsdp=False, fuse_matmuls=False)
+        trainer.fit(examples, per_device_batch_size=2, n_epochs=n_epochs, save_every_k_epochs=1)
+        return trainer
+
+    first = run(1)
+    saved = sorted(p.name for p in (tmp_path / "checkpoints" / "steps").iterdir())
+    resumed = run(1)  # resumes at the end of epoch 1: nothing left to train
+    assert resumed.step == first.step == 4 and saved  # 32 examples, 8 per update
+    jax.tree_util.tree_map(np.testing.assert_array_equal, resumed.params, first.params)
+    assert not np.allclose(first.params["layers"]["0"]["self_attn"]["q_proj"]["kernel"]["lora_b"], 0)
