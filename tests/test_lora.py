@@ -237,6 +237,7 @@ def test_merged_export_is_read_by_transformers_with_the_adapted_logits(tmp_path)
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # two runs with checkpoints: ~9 s on the loaded 2-core box
 def test_checkpoints_hold_the_adapters_and_resume_with_the_base_given_again(tmp_path):
     _, base = _model()
     lora = LoRA(rank=4, alpha=8)
