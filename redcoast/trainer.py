@@ -91,6 +91,12 @@ class Trainer:
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         if frozen_params is not None:  # a copy the step may donate, as for params
             frozen_shardings = self._frozen_shardings(frozen_params)
+            if deployer.n_model_shards > 1 and not _placed_on(frozen_params, mesh):
+                deployer.log_warning(
+                    "frozen_params are placed by a plan from their shapes alone. For the plan "
+                    "traced from the model's data flow, pass them placed: from_pretrained(..., "
+                    "deployer) does it, or jax.device_put(tree, deployer.get_sharding_plan(tree, "
+                    "traced_fn=apply_fn, example_args=...).param_shardings()).")
             frozen_params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p),
                                     out_shardings=frozen_shardings)(
                 jax.device_put(frozen_params, frozen_shardings))
@@ -141,10 +147,7 @@ class Trainer:
         their shapes (split over model shards, not over 'dp': they have no optimizer state)."""
         if frozen is None:
             return None
-        mesh = self.deployer.mesh
-        leaves = jax.tree_util.tree_leaves(frozen)
-        if all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
-               for x in leaves):
+        if _placed_on(frozen, self.deployer.mesh):
             return jax.tree_util.tree_map(lambda x: x.sharding, frozen)
         return self.deployer.get_sharding_plan(frozen).param_shardings()
 
@@ -686,6 +689,11 @@ def _describe_nonfinite(history):
     losses = [float(m["loss"]) for m in history]
     bad = [x for x in losses if not math.isfinite(x)]
     return str(bad[0]) if bad else "NaN or inf"
+
+
+def _placed_on(tree, mesh):
+    return all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+               for x in jax.tree_util.tree_leaves(tree))
 
 
 def _abstract(tree):

@@ -155,11 +155,20 @@ def test_sharded_lora_training_equals_single_device():
     lora = LoRA(rank=4, alpha=8)
     optimizer = optax.sgd(0.5, momentum=0.9)
     examples = _examples(32)
-    trainer = _lora_trainer(2, optimizer, base, lora)
+    model, _ = _model()
+    # the base placed by the plan traced from the forward pass (Megatron's splits), as
+    # from_pretrained(folder, deployer) places it; the Trainer keeps that placement
+    ids = jax.ShapeDtypeStruct((2, SEQ - 1), jnp.int32)
+    plan = Deployer(n_model_shards=2, verbose=False).get_sharding_plan(
+        base, traced_fn=model.apply, example_args=(ids,))
+    placed = jax.device_put(base, plan.param_shardings())
+    trainer = _lora_trainer(2, optimizer, placed, lora)
+    attention = trainer.frozen_params["layers"]["0"]["self_attn"]
+    assert attention["q_proj"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "mp")
+    assert attention["o_proj"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("mp")
     trainer.fit(examples, per_device_batch_size=4, n_epochs=2, shuffle=False)  # 16 per update
     assert trainer.step == 4
 
-    model, _ = _model()
     device = jax.devices()[0]
     adapters, frozen = jax.device_put((lora.init(base), base), device)
     opt_state = optimizer.init(adapters)
