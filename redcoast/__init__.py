@@ -1,6 +1,7 @@
 """redcoast: distributed training and inference of large models on JAX from three functions."""
 
 from .compat import Deployer, Predictor, RedcoCompatWarning, Trainer  # core classes + redco's forms
+from .lora import LoRA, load_adapters, save_adapters
 from .errors import CheckpointError, ConfigError, DataError, LossError, NonFiniteLossError, RedcoastError
 from .sharding import ShardingPlan
 from .train_state import TrainState
@@ -9,4 +10,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Deployer", "Trainer", "Predictor", "TrainState", "ShardingPlan", "RedcoastError",
            "CheckpointError", "ConfigError", "DataError", "LossError", "NonFiniteLossError",
-           "RedcoCompatWarning"]
+           "RedcoCompatWarning", "LoRA", "save_adapters", "load_adapters"]

@@ -77,6 +77,13 @@ def gathered(params, compute_dtype, compute_shardings=None):
     return jax.lax.with_sharding_constraint(params, compute_shardings)
 
 
+def with_frozen_cast(state, compute_dtype):
+    """``state`` with its ``frozen_params`` (if any) in ``compute_dtype``, as ``loss_fn`` sees them."""
+    if state.frozen_params is None:
+        return state
+    return state.replace(frozen_params=cast_floating(state.frozen_params, compute_dtype))
+
+
 def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
                     fuse_for_model_shards=None, split_weights=None, mesh=None,
                     compute_shardings=None, log_grad_norm=False):
@@ -94,7 +101,8 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
     adds the global norm of the (averaged) gradient to the metrics as ``grad_norm``.
     """
     def training_loss(p, batch, rng, state):
-        return loss_fn(rng, state, gathered(p, compute_dtype, compute_shardings), batch, True)
+        return loss_fn(rng, with_frozen_cast(state, compute_dtype),
+                       gathered(p, compute_dtype, compute_shardings), batch, True)
 
     def loss_and_grad(state, params, batch, rng):
         def objective(p):
@@ -175,6 +183,7 @@ def make_eval_step(loss_fn, compute_dtype, compute_shardings=None):
     """
     def step(state, batch, mask, rng):
         params = gathered(state.params, compute_dtype, compute_shardings)
+        state = with_frozen_cast(state, compute_dtype)
 
         def one(example):
             example = jax.tree_util.tree_map(lambda x: x[None], example)

@@ -13,6 +13,8 @@ class TrainState:
     """What one training step reads and writes (as in redco and Flax's ``TrainState``).
 
     ``apply_fn`` and ``tx`` are static: they are part of the compiled step, not data.
+    ``frozen_params``: parameters the step reads but never trains (e.g. a LoRA base), an input
+    of the step like ``params`` but without gradient or optimizer state; None when there are none.
     """
     step: jax.Array
     params: Any
@@ -20,6 +22,7 @@ class TrainState:
     nonfinite_step: jax.Array  # -1, or the first step whose loss was NaN or inf
     apply_fn: Callable = dataclasses.field(metadata=dict(static=True))
     tx: Any = dataclasses.field(metadata=dict(static=True))
+    frozen_params: Any = None
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)

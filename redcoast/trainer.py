@@ -49,12 +49,16 @@ class Trainer:
     Logged throughput: ``train_step_time_s``, ``train_examples_per_s``, ``train_tokens_per_s``
     (where the batch has integer ``[batch, sequence]`` arrays) and ``train_mfu`` (XLA's FLOPs of
     the compiled step over the device's peak; "n/a" where the peak is unknown, e.g. on CPUs).
+    ``frozen_params``: parameters the step reads but does not train (a LoRA base, see
+    redcoast/lora.py): placed on the mesh (as given where they already are, else by a plan from
+    their shapes), passed to each step as an input, never differentiated, given no optimizer
+    state and not checkpointed; ``loss_fn`` reads them as ``state.frozen_params``.
     """
 
     def __init__(self, deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
                  compute_dtype=jnp.float32, train_step_fn=None, fsdp=None, fuse_matmuls=None,
-                 log_grad_norm=False):
+                 log_grad_norm=False, frozen_params=None):
         validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn)
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
@@ -87,9 +91,21 @@ class Trainer:
             jax.device_put(params, param_shardings))
         opt_shardings = self.plan.opt_state_shardings(jax.eval_shape(optimizer.init, params))
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+        if frozen_params is not None:  # a copy the step may donate, as for params
+            frozen_shardings = self._frozen_shardings(frozen_params)
+            if deployer.n_model_shards > 1 and not _placed_on(frozen_params, mesh):
+                deployer.log_warning(
+                    "frozen_params are placed by a plan from their shapes alone. For the plan "
+                    "traced from the model's data flow, pass them placed: from_pretrained(..., "
+                    "deployer) does it, or jax.device_put(tree, deployer.get_sharding_plan(tree, "
+                    "traced_fn=apply_fn, example_args=...).param_shardings()).")
+            frozen_params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p),
+                                    out_shardings=frozen_shardings)(
+                jax.device_put(frozen_params, frozen_shardings))
         scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), self._replicated)
         self._state = TrainState(step=scalar(0), params=params, opt_state=opt_state,
-                                 nonfinite_step=scalar(-1), apply_fn=apply_fn, tx=optimizer)
+                                 nonfinite_step=scalar(-1), apply_fn=apply_fn, tx=optimizer,
+                                 frozen_params=frozen_params)
         self._host_step = 0
         self._train_rng = jax.device_put(deployer.gen_rng(), self._replicated)
         self._eval_rng = jax.device_put(deployer.gen_rng(), self._replicated)
@@ -106,7 +122,8 @@ class Trainer:
         self._state_shardings = TrainState(
             step=self._replicated, params=self.plan.param_shardings(),
             opt_state=self.plan.opt_state_shardings(s.opt_state),
-            nonfinite_step=self._replicated, apply_fn=s.apply_fn, tx=s.tx)
+            nonfinite_step=self._replicated, apply_fn=s.apply_fn, tx=s.tx,
+            frozen_params=self._frozen_shardings(s.frozen_params))
         # the loss is traced knowing the number of model shards (sharding/context.py)
         loss_fn = laid_out_for(self.loss_fn, self.deployer.n_model_shards)
         step_fn = self.train_step_fn or make_train_step(
@@ -126,6 +143,15 @@ class Trainer:
             in_shardings=(self._state_shardings, NamedSharding(mesh, P("dp")),
                           NamedSharding(mesh, P("dp")), self._replicated),
             out_shardings=self._replicated)
+
+    def _frozen_shardings(self, frozen):
+        """Where ``frozen_params`` live: where they are, if that is this mesh; else a plan from
+        their shapes (split over model shards, not over 'dp': they have no optimizer state)."""
+        if frozen is None:
+            return None
+        if _placed_on(frozen, self.deployer.mesh):
+            return jax.tree_util.tree_map(lambda x: x.sharding, frozen)
+        return self.deployer.get_sharding_plan(frozen).param_shardings()
 
     def _traced_plan(self, abstract_batch):
         """The plan traced from ``loss_fn`` on one (abstract) micro-batch, on the current mesh,
@@ -293,6 +319,11 @@ class Trainer:
     @property
     def params(self):
         return self._state.params
+
+    @property
+    def frozen_params(self):
+        """The untrained parameters given as ``frozen_params`` (None if none), as placed."""
+        return self._state.frozen_params
 
     @property
     def step(self):
@@ -805,6 +836,11 @@ def _describe_nonfinite(history):
     losses = [float(m["loss"]) for m in history]
     bad = [x for x in losses if not math.isfinite(x)]
     return str(bad[0]) if bad else "NaN or inf"
+
+
+def _placed_on(tree, mesh):
+    return all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+               for x in jax.tree_util.tree_leaves(tree))
 
 
 def _abstract(tree):

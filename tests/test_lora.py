@@ -1,0 +1,270 @@
+"""LoRA adapters (redcoast/lora.py): the base model's outputs at B = 0, the merge against numpy,
+training that moves only the adapters (split over devices as on one), the optimizer state and
+step FLOPs against full fine-tuning, and export merged (read by transformers) or alone."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from redcoast import ConfigError, Deployer, LoRA, Trainer, load_adapters, save_adapters
+from redcoast.lora import count
+from redcoast.models import Model, llama
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+SEQ = 12
+
+
+def _model(seed=0):
+    """A tiny Llama with random weights of order 0.1 (norm scales near 1), so that logits are
+    of order one; drawn in numpy (no compilation)."""
+    model = Model(llama.MODULES["LlamaForCausalLM"], llama.Config(**TINY))
+    rs = np.random.RandomState(seed)
+
+    def draw(path, leaf):
+        noise = rs.normal(0, 0.1 if "norm" in jax.tree_util.keystr(path) else 0.15, leaf.shape)
+        return (noise + ("norm" in jax.tree_util.keystr(path))).astype(leaf.dtype)
+    return model, jax.tree_util.tree_map_with_path(draw, model.abstract_params())
+
+
+def _examples(n, seed=0):
+    """Sequences that count up from a random start: learnable from one token to the next."""
+    starts = np.random.RandomState(seed).randint(0, TINY["vocab_size"], n)
+    return [{"ids": (s + np.arange(SEQ)) % TINY["vocab_size"]} for s in starts]
+
+
+def _collate(examples):
+    return {"ids": np.stack([e["ids"] for e in examples]).astype(np.int32)}
+
+
+def _lm_loss(apply_fn, params, ids):
+    logits = apply_fn(params, ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def _random_adapters(lora, params, seed=1, std=0.2):
+    """Adapters with B drawn at random too, so that they change the model."""
+    rs = np.random.RandomState(seed)
+    return jax.tree_util.tree_map(
+        lambda x: (std * rs.standard_normal(x.shape)).astype(x.dtype),
+        jax.eval_shape(lora.init, params))
+
+
+def test_default_targets_are_attention_q_and_v_and_zero_b_gives_the_base_outputs():
+    model, base = _model()
+    lora = LoRA(rank=4, alpha=8)
+    adapters = lora.init(base)
+    layer = adapters["layers"]["0"]["self_attn"]
+    assert sorted(layer) == ["q_proj", "v_proj"] and sorted(adapters["layers"]) == ["0", "1"]
+    assert layer["v_proj"]["kernel"]["lora_a"].shape == (32, 4)
+    assert layer["v_proj"]["kernel"]["lora_b"].shape == (4, 16)  # 2 KV heads x 8
+    assert not np.any(np.asarray(layer["q_proj"]["kernel"]["lora_b"]))
+    ids = jnp.asarray(np.stack([e["ids"] for e in _examples(3)]))
+    apply = jax.jit(model.apply)
+    np.testing.assert_array_equal(apply(lora.merge(base, adapters), ids), apply(base, ids))
+
+
+def test_merge_adds_scaled_low_rank_product_on_kernels_with_extra_axes():
+    """A GPT-2-like fused kernel [in, 3, hidden] and layers stacked on a leading axis."""
+    rs = np.random.RandomState(0)
+    params = {"h": {"c_attn": {"kernel": rs.randn(5, 3, 4).astype(np.float32),
+                               "bias": rs.randn(3, 4).astype(np.float32)}},
+              "stacked": {"q": {"kernel": rs.randn(2, 5, 6).astype(np.float32)}}}
+    fused = LoRA(rank=2, alpha=3.0, targets="c_attn/kernel")
+    a = _random_adapters(fused, params)
+    pair = a["h"]["c_attn"]["kernel"]
+    want = params["h"]["c_attn"]["kernel"] + 1.5 * np.einsum(
+        "ir,rcd->icd", np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"]))
+    merged = fused.merge(params, a)
+    np.testing.assert_allclose(merged["h"]["c_attn"]["kernel"], want, rtol=1e-6, atol=1e-6)
+    assert merged["h"]["c_attn"]["bias"] is params["h"]["c_attn"]["bias"]
+    assert merged["stacked"]["q"]["kernel"] is params["stacked"]["q"]["kernel"]
+
+    stacked = LoRA(rank=2, alpha=2.0, targets=lambda path, leaf: path.startswith("stacked"),
+                   stack_dims=1)
+    a = _random_adapters(stacked, params)
+    pair = a["stacked"]["q"]["kernel"]
+    assert pair["lora_a"].shape == (2, 5, 2) and pair["lora_b"].shape == (2, 2, 6)
+    want = params["stacked"]["q"]["kernel"] + np.einsum(
+        "lir,lro->lio", np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"]))
+    np.testing.assert_allclose(stacked.merge(params, a)["stacked"]["q"]["kernel"], want,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_targets_that_match_nothing_are_an_error():
+    _, base = _model()
+    with pytest.raises(ConfigError, match="match no parameter"):
+        LoRA(targets="attention/query_kernel").init(base)
+
+
+def _lora_trainer(n_model_shards, optimizer, base, lora):
+    def loss_fn(rng, state, params, batch, is_training):
+        return _lm_loss(state.apply_fn, lora.merge(state.frozen_params, params), batch["ids"])
+
+    model, _ = _model()
+    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, verbose=False)
+    # layout fixed: the tests need not compile the candidate layouts
+    return Trainer(deployer, _collate, model.apply, loss_fn, lora.init(base), optimizer,
+                   frozen_params=base, fsdp=False, fuse_matmuls=False)
+
+
+def test_training_moves_only_the_adapters_and_the_loss_falls():
+    model, base = _model()
+    kept = jax.tree_util.tree_map(np.array, base)
+    lora = LoRA(rank=4, alpha=8, targets=r"kernel$")  # every matmul, the LM head too
+    trainer = _lora_trainer(2, optax.adam(3e-2), base, lora)
+    examples = _examples(32)
+    before = trainer.eval_loss(examples, 4)
+    trainer.fit(examples, per_device_batch_size=1, n_epochs=4)
+    after = trainer.eval_loss(examples, 4)
+    assert after < 0.7 * before, (before, after)
+    # the base bitwise as it was; the optimizer state has the adapters' leaves and no other
+    jax.tree_util.tree_map(np.testing.assert_array_equal, trainer.frozen_params, kept)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, base, kept)
+    adam = trainer.state.opt_state[0]
+    assert jax.tree_util.tree_structure(adam.mu) == jax.tree_util.tree_structure(trainer.params)
+    adapter_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(trainer.params))
+    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(trainer.state.opt_state))
+    assert state_bytes == 2 * adapter_bytes + 4  # Adam's two moments of the adapters + a count
+    assert not np.allclose(trainer.params["layers"]["0"]["self_attn"]["q_proj"]["kernel"]["lora_b"], 0)
+
+
+def test_optimizer_state_of_lora_on_smollm2_135m_is_under_5_percent_of_full():
+    """Shapes only (nothing of the base allocated): SmolLM2-135M's config, rank 8 on q and v."""
+    config = llama.Config(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          tie_word_embeddings=True)
+    base = Model(llama.MODULES["LlamaForCausalLM"], config).abstract_params()
+    adapters = jax.eval_shape(LoRA(rank=8, alpha=16).init, base)
+    nbytes = lambda tree: sum(np.dtype(x.dtype).itemsize * x.size  # noqa: E731
+                              for x in jax.tree_util.tree_leaves(tree))
+    optimizer = optax.adamw(1e-4)
+    lora_state, full_state = (nbytes(jax.eval_shape(optimizer.init, p)) for p in (adapters, base))
+    assert count(adapters) == 30 * 8 * (576 + 576 + 576 + 192)
+    assert lora_state < 0.05 * full_state, (lora_state, full_state)
+
+
+def test_sharded_lora_training_equals_single_device():
+    """2 model shards x 4 data shards against a plain jax loop on one device (SGD with momentum,
+    linear in the gradients, so only rounding differs)."""
+    _, base = _model()
+    lora = LoRA(rank=4, alpha=8)
+    optimizer = optax.sgd(0.5, momentum=0.9)
+    examples = _examples(32)
+    model, _ = _model()
+    # the base placed by the plan traced from the forward pass (Megatron's splits), as
+    # from_pretrained(folder, deployer) places it; the Trainer keeps that placement
+    ids = jax.ShapeDtypeStruct((2, SEQ - 1), jnp.int32)
+    plan = Deployer(n_model_shards=2, verbose=False).get_sharding_plan(
+        base, traced_fn=model.apply, example_args=(ids,))
+    placed = jax.device_put(base, plan.param_shardings())
+    trainer = _lora_trainer(2, optimizer, placed, lora)
+    attention = trainer.frozen_params["layers"]["0"]["self_attn"]
+    assert attention["q_proj"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "mp")
+    assert attention["o_proj"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("mp")
+    trainer.fit(examples, per_device_batch_size=4, n_epochs=2, shuffle=False)  # 16 per update
+    assert trainer.step == 4
+
+    device = jax.devices()[0]
+    adapters, frozen = jax.device_put((lora.init(base), base), device)
+    opt_state = optimizer.init(adapters)
+
+    @jax.jit
+    def step(adapters, opt_state, frozen, ids):
+        grads = jax.grad(lambda a: _lm_loss(model.apply, lora.merge(frozen, a), ids))(adapters)
+        updates, opt_state = optimizer.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state
+
+    for _ in range(2):
+        for i in range(2):
+            ids = jnp.asarray(_collate(examples[i * 16:(i + 1) * 16])["ids"])
+            adapters, opt_state = step(adapters, opt_state, frozen, ids)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4),
+                           trainer.params, adapters)
+    moved = adapters["layers"]["1"]["self_attn"]["v_proj"]["kernel"]["lora_b"]
+    assert float(np.abs(np.asarray(moved)).max()) > 1e-3  # the comparison is not of zeros
+
+
+def test_compiled_lora_step_does_fewer_flops_than_full_fine_tuning():
+    model, base = _model()
+    lora = LoRA(rank=4, alpha=8)
+    batch = _collate(_examples(8))
+    lora_flops = _lora_trainer(1, optax.adam(1e-3), base, lora).compile_train_step(batch) \
+        .cost_analysis()["flops"]
+
+    def full_loss(rng, state, params, batch, is_training):
+        return _lm_loss(state.apply_fn, params, batch["ids"])
+
+    full = Trainer(Deployer(jax_seed=0, n_model_shards=1, verbose=False), _collate, model.apply,
+                   full_loss, base, optax.adam(1e-3))
+    full_flops = full.compile_train_step(batch).cost_analysis()["flops"]
+    assert 0 < lora_flops < full_flops, (lora_flops, full_flops)
+
+
+def test_adapters_saved_alone_load_back(tmp_path):
+    model, base = _model()
+    lora = LoRA(rank=3, alpha=6.0)
+    adapters = _random_adapters(lora, base)
+    save_adapters(lora, adapters, str(tmp_path / "a"))
+    config = json.loads((tmp_path / "a" / "lora_config.json").read_text())
+    assert config["rank"] == 3 and config["alpha"] == 6.0 and len(config["kernels"]) == 4
+    lora2, adapters2 = load_adapters(str(tmp_path / "a"))
+    assert (lora2.rank, lora2.alpha, lora2.scale) == (3, 6.0, 2.0)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, adapters2, adapters)
+    ids = jnp.asarray(_collate(_examples(2))["ids"])
+    apply = jax.jit(model.apply)
+    np.testing.assert_array_equal(apply(lora2.merge(base, adapters2), ids),
+                                  apply(lora.merge(base, adapters), ids))
+    with pytest.raises(ConfigError, match="lora_config.json"):
+        load_adapters(str(tmp_path))
+
+
+def test_merged_export_is_read_by_transformers_with_the_adapted_logits(tmp_path):
+    torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0")
+    transformers = pytest.importorskip("transformers")
+    from hf_reference import randomize
+    from redcoast.models import from_pretrained, save_pretrained
+
+    randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))).save_pretrained(
+        str(tmp_path / "base"))
+    model, base = from_pretrained(str(tmp_path / "base"))
+    lora = LoRA(rank=4, alpha=8)
+    adapters = _random_adapters(lora, base)
+    merged = lora.merge(base, adapters)
+    save_pretrained(model, merged, str(tmp_path / "merged"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    ids = np.stack([e["ids"] for e in _examples(3, seed=5)])
+    with torch.no_grad():
+        theirs = reloaded(torch.tensor(ids)).logits.float().numpy()
+    ours = np.asarray(jax.jit(model.apply)(merged, jnp.asarray(ids)))
+    plain = np.asarray(jax.jit(model.apply)(base, jnp.asarray(ids)))
+    assert np.abs(ours - plain).max() > 0.1  # the adapters do change the logits
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # two runs with checkpoints: ~9 s on the loaded 2-core box
+def test_checkpoints_hold_the_adapters_and_resume_with_the_base_given_again(tmp_path):
+    _, base = _model()
+    lora = LoRA(rank=4, alpha=8)
+    examples = _examples(32)
+
+    def run(n_epochs):
+        def loss_fn(rng, state, params, batch, is_training):
+            return _lm_loss(state.apply_fn, lora.merge(state.frozen_params, params), batch["ids"])
+        model, _ = _model()
+        deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, workdir=str(tmp_path))
+        trainer = Trainer(deployer, _collate, model.apply, loss_fn, lora.init(base),
+                          optax.adam(1e-2), frozen_params=base, fsdp=False, fuse_matmuls=False)
+        trainer.fit(examples, per_device_batch_size=2, n_epochs=n_epochs, save_every_k_epochs=1)
+        return trainer
+
+    first = run(1)
+    saved = sorted(p.name for p in (tmp_path / "checkpoints" / "steps").iterdir())
+    resumed = run(1)  # resumes at the end of epoch 1: nothing left to train
+    assert resumed.step == first.step == 4 and saved  # 32 examples, 8 per update
+    jax.tree_util.tree_map(np.testing.assert_array_equal, resumed.params, first.params)
+    assert not np.allclose(first.params["layers"]["0"]["self_attn"]["q_proj"]["kernel"]["lora_b"], 0)
