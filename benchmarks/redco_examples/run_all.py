@@ -14,7 +14,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 EXAMPLES = ["language_modeling", "classification", "text_to_text", "mnist", "meta_learning",
-            "differential_private_training", "federated_learning", "lora"]
+            "differential_private_training", "federated_learning", "lora", "image_to_text"]
 
 
 def run(scripts, name, run_on):
