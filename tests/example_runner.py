@@ -15,8 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_example(name, *args, timeout=900):
-    """Run ``examples/<name>/main.py --tiny *args``; return ``(metrics, seconds)``.
+def run_example(name, *args, timeout=None, tiny=True):
+    """Run ``examples/<name>/main.py --tiny *args`` (without ``--tiny`` if not ``tiny``);
+    return ``(metrics, seconds)``.
 
     Raises ``AssertionError`` with the example's output when it fails.
     """
@@ -26,11 +27,11 @@ def run_example(name, *args, timeout=900):
     metrics_path.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the example chooses its devices itself, as it would for a user
-    command = [sys.executable, str(ROOT / "examples" / name / "main.py"), "--tiny",
+    command = [sys.executable, str(ROOT / "examples" / name / "main.py"), *(["--tiny"] if tiny else []),
                "--metrics-out", str(metrics_path), *args]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout or (900 if tiny else None))
     seconds = time.perf_counter() - start
     assert done.returncode == 0, (
         f"{' '.join(command)} exited with {done.returncode}\n"
