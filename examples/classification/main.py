@@ -37,6 +37,7 @@ NOUNS = ["phone", "blender", "jacket", "laptop", "novel", "hotel", "camera", "ch
 TEMPLATES = ["The {noun} was {a} and {b}.", "I found this {noun} {a}, honestly {b}.",
              "A {a} {noun}; the service was {b}.", "Overall {a}, my {noun} felt {b}."]
 CLASSES = ["negative", "neutral", "positive"]
+MID_RATING = 3.0  # the fresh head starts near 0: regression learns the offset from the middle
 
 
 def make_examples(n, seed):
@@ -74,7 +75,7 @@ def make_loss_fn(model, regression):
     def loss_fn(rng, state, params, batch, is_training):
         logits = model.apply(params, batch["input_ids"], batch["attention_mask"])
         if regression:
-            return jnp.mean(jnp.square(logits[:, 0] - batch["score"]))
+            return jnp.mean(jnp.square(logits[:, 0] + MID_RATING - batch["score"]))
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
         return loss, {"acc": jnp.mean(logits.argmax(-1) == batch["label"])}
     return loss_fn
@@ -83,7 +84,7 @@ def make_loss_fn(model, regression):
 def make_pred_fn(model, regression):
     def pred_fn(rng, params, batch):
         logits = model.apply(params, batch["input_ids"], batch["attention_mask"])
-        return logits[:, 0] if regression else logits.argmax(-1)
+        return logits[:, 0] + MID_RATING if regression else logits.argmax(-1)
     return pred_fn
 
 
