@@ -79,7 +79,7 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
     ``architecture`` may name a task model whose head the checkpoint lacks (e.g.
     ``"BertForSequenceClassification"`` from a ``BertModel`` folder): the head is initialised
     fresh with the architecture's own initialisers from ``rng`` (a PRNG key; default: the
-    deployer's next key, else key 0) and the log names every such parameter. Stored tensors
+    deployer's next key, else key 0; an int seed works too) and the log names every such parameter. Stored tensors
     the architecture does not use are logged too. A missing parameter outside the head, or a
     tensor whose shape disagrees with the config, is an error.
     """
@@ -90,24 +90,26 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
 
 def parse_config(family, config_dict, reader, config_overrides=None):
     """The family's config from ``config_dict``, with ``config_overrides`` applied: dataclass
-    fields replaced after parsing, other keys (Hugging Face names) set before it."""
+    fields replaced after parsing, other keys (Hugging Face names) set before it; a key that
+    changes nothing and is no setting of the family's config is an error."""
     config_overrides = dict(config_overrides or {})
     fields = {f.name for f in dataclasses.fields(family.Config)}
     as_hf = {k: v for k, v in config_overrides.items() if k not in fields}
+    parsed = family.Config.from_hf(config_dict)
+    config = parsed
     if as_hf:
         config_dict = {**config_dict, **as_hf}
         if "num_labels" in as_hf:  # as in transformers: num_labels replaces the stored label names
             config_dict = {k: v for k, v in config_dict.items() if k not in ("id2label", "label2id")}
-    config = family.Config.from_hf(config_dict)
-    if hasattr(family, "config_for_tensors"):  # when config.json alone does not say (T5's lm_head)
-        config = family.config_for_tensors(config, reader)
-    config = dataclasses.replace(config, **{k: v for k, v in config_overrides.items() if k in fields})
-    for key, value in as_hf.items():
-        if getattr(config, key, object()) != value:
+        config = family.Config.from_hf(config_dict)
+    for key, value in as_hf.items():  # a key the family does not read must not pass unnoticed
+        if getattr(config, key, object()) != value and config == parsed:
             raise ConfigError(f"config_overrides[{key!r}] = {value!r} did not take effect: "
                               f"{family.Config.__module__}.Config has no such setting. Use one of "
-                              f"{sorted(fields)}.")
-    return config
+                              f"{sorted(fields)} or a config.json key it reads.")
+    if hasattr(family, "config_for_tensors"):  # when config.json alone does not say (T5's lm_head)
+        config = family.config_for_tensors(config, reader)
+    return dataclasses.replace(config, **{k: v for k, v in config_overrides.items() if k in fields})
 
 
 def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dtype=jnp.float32,
