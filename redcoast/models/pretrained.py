@@ -170,7 +170,11 @@ def load_or_init(model, family, reader, abstract, shardings, deployer=None, rng=
     flat_shardings = treedef.flatten_up_to(shardings)
     heads = tuple(getattr(family, "TASK_HEADS", {}).get(model.module_cls, ()))
     stored = [hf.stored_name(reader, src) for _, src in flat_sources]
-    present = [name in reader for name in stored]
+    names = _stored_names(reader)
+    # a listed name is checked without reading it (``in`` on a Mapping such as GGUFTensors would
+    # dequantise the tensor)
+    listed = set(names) if names is not None else reader
+    present = [name in listed for name in stored]
     missing = [(_path_str(path), src.name, a.shape)
                for (path, src), a, ok in zip(flat_sources, flat_abstract, present) if not ok]
     body_missing = [m for m in missing if m[0].split(".")[0] not in heads]
@@ -202,7 +206,6 @@ def load_or_init(model, family, reader, abstract, shardings, deployer=None, rng=
         _report(deployer, f"{arch}: {len(missing)} parameters of its task head are not in the "
                 "checkpoint and are freshly initialised (train them before use): "
                 + ", ".join(f"{p} {tuple(shape)}" for p, _, shape in missing))
-    names = _stored_names(reader)
     if names is not None:
         used = {name for name, ok in zip(stored, present) if ok}
         ok_unused = getattr(family, "UNUSED_OK", ())
