@@ -16,7 +16,6 @@ import json
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

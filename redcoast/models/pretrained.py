@@ -78,10 +78,10 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
 
     ``architecture`` may name a task model whose head the checkpoint lacks (e.g.
     ``"BertForSequenceClassification"`` from a ``BertModel`` folder): the head is initialised
-    fresh with the architecture's own initialisers from ``rng`` (a PRNG key; default: the
-    deployer's next key, else key 0; an int seed works too) and the log names every such parameter. Stored tensors
-    the architecture does not use are logged too. A missing parameter outside the head, or a
-    tensor whose shape disagrees with the config, is an error.
+    fresh with the architecture's own initialisers from ``rng`` (a PRNG key or an int seed;
+    default: the deployer's next key, else key 0) and the log names every such parameter.
+    Stored tensors the architecture does not use are logged too. A missing parameter outside
+    the head, or a tensor whose shape disagrees with the config, is an error.
     """
     return from_reader(hf.read_config(folder), hf.SafetensorsFolder(folder), deployer,
                        shardings=shardings, param_dtype=param_dtype, architecture=architecture,
@@ -100,7 +100,8 @@ def parse_config(family, config_dict, reader, config_overrides=None):
     if as_hf:
         config_dict = {**config_dict, **as_hf}
         if "num_labels" in as_hf:  # as in transformers: num_labels replaces the stored label names
-            config_dict = {k: v for k, v in config_dict.items() if k not in ("id2label", "label2id")}
+            config_dict = {k: v for k, v in config_dict.items()
+                           if k not in ("id2label", "label2id")}
         config = family.Config.from_hf(config_dict)
     for key, value in as_hf.items():  # a key the family does not read must not pass unnoticed
         if getattr(config, key, object()) != value and config == parsed:
@@ -183,10 +184,10 @@ def load_or_init(model, family, reader, abstract, shardings, deployer=None, rng=
         listed = ", ".join(name for _, name, _ in body_missing[:8])
         more = f" and {len(body_missing) - 8} more" if len(body_missing) > 8 else ""
         raise ConfigError(
-            f"the checkpoint lacks {len(body_missing)} of the {len(flat_sources)} tensors of {arch}'s "
-            f"body: {listed}{more}. Only a task head ({', '.join(heads) or 'none for ' + arch}) may "
-            "be missing; check that the folder holds this model family's weights, and that "
-            "config.json matches them.")
+            f"the checkpoint lacks {len(body_missing)} of the {len(flat_sources)} tensors of "
+            f"{arch}'s body: {listed}{more}. Only a task head "
+            f"({', '.join(heads) or 'none for ' + arch}) may be missing; check that the folder "
+            "holds this model family's weights, and that config.json matches them.")
     wrong = []
     for (path, src), a, name, ok in zip(flat_sources, flat_abstract, stored, present):
         expected = tuple(src.shape) if src.shape is not None else (
