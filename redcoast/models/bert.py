@@ -181,6 +181,9 @@ def mean_pool(hidden, mask):
 
 MODULES = {"BertModel": BertModel, "BertForSequenceClassification": BertForSequenceClassification}
 DEFAULT_MODULE = BertModel
+# A BertModel checkpoint (e.g. all-MiniLM-L6-v2) loads as a classifier with a fresh head.
+TASK_HEADS = {BertForSequenceClassification: ("classifier",)}
+UNUSED_OK = (r"position_ids$",)  # a buffer of transformers' embeddings, not a weight
 
 
 def hf_sources(config, module_cls):

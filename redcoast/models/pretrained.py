@@ -9,9 +9,19 @@ A family is a module (``redcoast.models.llama``, ...) that provides:
   ``Model(module_cls, config).abstract_params()``: which stored tensor fills each parameter;
 - ``example_inputs(config, module_cls)``: abstract positional inputs of the module's
   ``__call__`` (``jax.ShapeDtypeStruct``), traced to derive the sharding plan.
+
+and optionally:
+
+- ``TASK_HEADS``: {module class: top-level parameter names of its task head}; a checkpoint
+  without them (a base model loaded for a new task) gets them freshly initialised, and logged;
+- ``UNUSED_OK``: regexes of stored tensors that are never parameters (buffers such as BERT's
+  ``position_ids``), left out of the unused-tensor report.
 """
 
+import dataclasses
 import importlib
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -56,33 +66,60 @@ def module_class(family, config_dict, architecture=None):
 
 
 def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.float32,
-                    architecture=None, fsdp=False, config_overrides=None):
+                    architecture=None, fsdp=False, config_overrides=None, rng=None):
     """``(model, params)`` from a local Hugging Face folder (config.json + safetensors).
 
     With a ``deployer``, each parameter is placed straight into its shards on the deployer's
     mesh by the plan traced from the model's forward pass (the plan the Trainer would choose;
     ``fsdp=True`` also splits over 'dp'); each device reads only its slice of each tensor.
     Without one, everything goes to the first local device. ``config_overrides`` replaces
-    fields of the parsed config (e.g. ``{"remat": True, "dtype": jnp.bfloat16}``).
+    fields of the parsed config (e.g. ``{"remat": True, "dtype": jnp.bfloat16}``) or, for keys
+    that are not fields, of config.json (e.g. ``{"num_labels": 1}``).
+
+    ``architecture`` may name a task model whose head the checkpoint lacks (e.g.
+    ``"BertForSequenceClassification"`` from a ``BertModel`` folder): the head is initialised
+    fresh with the architecture's own initialisers from ``rng`` (a PRNG key or an int seed;
+    default: the deployer's next key, else key 0) and the log names every such parameter.
+    Stored tensors the architecture does not use are logged too. A missing parameter outside
+    the head, or a tensor whose shape disagrees with the config, is an error.
     """
     return from_reader(hf.read_config(folder), hf.SafetensorsFolder(folder), deployer,
                        shardings=shardings, param_dtype=param_dtype, architecture=architecture,
-                       fsdp=fsdp, config_overrides=config_overrides)
+                       fsdp=fsdp, config_overrides=config_overrides, rng=rng)
+
+
+def parse_config(family, config_dict, reader, config_overrides=None):
+    """The family's config from ``config_dict``, with ``config_overrides`` applied: dataclass
+    fields replaced after parsing, other keys (Hugging Face names) set before it; a key that
+    changes nothing and is no setting of the family's config is an error."""
+    config_overrides = dict(config_overrides or {})
+    fields = {f.name for f in dataclasses.fields(family.Config)}
+    as_hf = {k: v for k, v in config_overrides.items() if k not in fields}
+    parsed = family.Config.from_hf(config_dict)
+    config = parsed
+    if as_hf:
+        config_dict = {**config_dict, **as_hf}
+        if "num_labels" in as_hf:  # as in transformers: num_labels replaces the stored label names
+            config_dict = {k: v for k, v in config_dict.items()
+                           if k not in ("id2label", "label2id")}
+        config = family.Config.from_hf(config_dict)
+    for key, value in as_hf.items():  # a key the family does not read must not pass unnoticed
+        if getattr(config, key, object()) != value and config == parsed:
+            raise ConfigError(f"config_overrides[{key!r}] = {value!r} did not take effect: "
+                              f"{family.Config.__module__}.Config has no such setting. Use one of "
+                              f"{sorted(fields)} or a config.json key it reads.")
+    if hasattr(family, "config_for_tensors"):  # when config.json alone does not say (T5's lm_head)
+        config = family.config_for_tensors(config, reader)
+    return dataclasses.replace(config, **{k: v for k, v in config_overrides.items() if k in fields})
 
 
 def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dtype=jnp.float32,
-                architecture=None, fsdp=False, config_overrides=None):
+                architecture=None, fsdp=False, config_overrides=None, rng=None):
     """``(model, params)`` from a config.json dict and a tensor ``reader`` (``.shape(name)``,
     ``.read(name, index)`` over Hugging Face tensor names), placed as :func:`from_pretrained`
     does; GGUF files come through here too."""
     family = family_of(config_dict.get("model_type"))
-    config = family.Config.from_hf(config_dict)
-    if hasattr(family, "config_for_tensors"):  # when config.json alone does not say (T5's lm_head)
-        config = family.config_for_tensors(config, reader)
-    if config_overrides:
-        import dataclasses
-
-        config = dataclasses.replace(config, **config_overrides)
+    config = parse_config(family, config_dict, reader, config_overrides)
     module_cls = module_class(family, config_dict, architecture)
     model = Model(module_cls, config, param_dtype=param_dtype)
     abstract = model.abstract_params()
@@ -90,8 +127,122 @@ def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dty
         plan = deployer.get_sharding_plan(abstract, fsdp=fsdp, traced_fn=model.apply,
                                           example_args=family.example_inputs(config, module_cls))
         shardings = plan.param_shardings()
-    params = hf.load_params(reader, family.hf_sources(config, module_cls), abstract, shardings)
+    if shardings is None:
+        device = jax.local_devices()[0]
+        shardings = jax.tree_util.tree_map(
+            lambda _: jax.sharding.SingleDeviceSharding(device), abstract)
+    params = load_or_init(model, family, reader, abstract, shardings, deployer, rng)
     return model, params
+
+
+def _is_source(x):
+    return isinstance(x, hf.Source)
+
+
+def _path_str(path):
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _stored_names(reader):
+    """Every tensor name the reader holds, or None when it cannot list them."""
+    if hasattr(reader, "names"):
+        return list(reader.names())
+    if hasattr(reader, "tensors"):
+        return list(reader.tensors)
+    try:
+        return list(reader)
+    except TypeError:
+        return None
+
+
+def _report(deployer, text):
+    if deployer is not None:
+        deployer.log_warning(text)
+    else:
+        logging.getLogger(__name__).warning(text)
+
+
+def load_or_init(model, family, reader, abstract, shardings, deployer=None, rng=None):
+    """The params: every parameter the reader holds is read (each device its slice); task-head
+    parameters it lacks are initialised fresh; anything else missing or misshapen is an error."""
+    sources = family.hf_sources(model.config, model.module_cls)
+    flat_sources, treedef = jax.tree_util.tree_flatten_with_path(sources, is_leaf=_is_source)
+    flat_abstract = treedef.flatten_up_to(abstract)
+    flat_shardings = treedef.flatten_up_to(shardings)
+    heads = tuple(getattr(family, "TASK_HEADS", {}).get(model.module_cls, ()))
+    stored = [hf.stored_name(reader, src) for _, src in flat_sources]
+    names = _stored_names(reader)
+    # a listed name is checked without reading it (``in`` on a Mapping such as GGUFTensors would
+    # dequantise the tensor)
+    listed = set(names) if names is not None else reader
+    present = [name in listed for name in stored]
+    missing = [(_path_str(path), src.name, a.shape)
+               for (path, src), a, ok in zip(flat_sources, flat_abstract, present) if not ok]
+    body_missing = [m for m in missing if m[0].split(".")[0] not in heads]
+    arch = model.module_cls.__name__
+    if body_missing:
+        listed = ", ".join(name for _, name, _ in body_missing[:8])
+        more = f" and {len(body_missing) - 8} more" if len(body_missing) > 8 else ""
+        raise ConfigError(
+            f"the checkpoint lacks {len(body_missing)} of the {len(flat_sources)} tensors of "
+            f"{arch}'s body: {listed}{more}. Only a task head "
+            f"({', '.join(heads) or 'none for ' + arch}) may be missing; check that the folder "
+            "holds this model family's weights, and that config.json matches them.")
+    wrong = []
+    for (path, src), a, name, ok in zip(flat_sources, flat_abstract, stored, present):
+        expected = tuple(src.shape) if src.shape is not None else (
+            tuple(reversed(a.shape)) if src.transpose else tuple(a.shape))
+        if ok and tuple(reader.shape(name)) != expected:
+            wrong.append(f"{name} {tuple(reader.shape(name))} (expected {expected})")
+    if wrong:
+        raise ConfigError(f"{len(wrong)} stored tensors have other shapes than {arch} with this "
+                          f"config needs: {'; '.join(wrong)}. Fix config.json or config_overrides "
+                          "(e.g. num_labels) to match the checkpoint.")
+    fresh = {}
+    if missing:
+        if rng is None:
+            rng = deployer.gen_rng() if deployer is not None else jax.random.key(0)
+        fresh = _fresh_params(model, [p for (p, _), ok in zip(flat_sources, present) if not ok],
+                              [s for s, ok in zip(flat_shardings, present) if not ok], rng)
+        _report(deployer, f"{arch}: {len(missing)} parameters of its task head are not in the "
+                "checkpoint and are freshly initialised (train them before use): "
+                + ", ".join(f"{p} {tuple(shape)}" for p, _, shape in missing))
+    if names is not None:
+        used = {name for name, ok in zip(stored, present) if ok}
+        ok_unused = getattr(family, "UNUSED_OK", ())
+        unused = [n for n in names if n not in used and not any(re.search(r, n) for r in ok_unused)]
+        if unused:
+            _report(deployer, f"{arch} does not use {len(unused)} stored tensors (left unread): "
+                    + ", ".join(sorted(unused)))
+    leaves = []
+    for (path, src), a, s, name, ok in zip(flat_sources, flat_abstract, flat_shardings, stored,
+                                           present):
+        leaves.append(hf.load_array(reader, src, a.shape, s, np.dtype(a.dtype)) if ok
+                      else fresh[_path_str(path)])
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _fresh_params(model, paths, shardings, rng):
+    """{dotted path: array} of ``paths`` from the module's own initialisers with ``rng``; the
+    rest of the module is built only abstractly inside jit, so XLA drops it unused."""
+    from flax import nnx
+
+    from .base import _str_keys
+
+    def make():
+        _, state, _ = nnx.split(model.module_cls(model.config, rngs=nnx.Rngs(rng),
+                                                 param_dtype=model.param_dtype), nnx.Param, ...)
+        full = _str_keys(nnx.to_pure_dict(state))
+        out = []
+        for path in paths:
+            leaf = full
+            for key in path:
+                leaf = leaf[str(getattr(key, "key", key))]
+            out.append(leaf)
+        return out
+
+    arrays = jax.jit(make, out_shardings=list(shardings))()
+    return {_path_str(p): a for p, a in zip(paths, arrays)}
 
 
 def hf_tensors(model, params):

