@@ -65,6 +65,7 @@ def kill_and_resume(tmp_path, uninterrupted, rng, inside_save):
     return log
 
 
+@pytest.mark.slow  # about 60 s with its uninterrupted reference; the slow step also kills at random
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     # killed while a checkpoint is being written: the last good one resumes bitwise; kills at
     # random moments (half of them inside a save) are the slow test below

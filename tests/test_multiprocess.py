@@ -97,7 +97,7 @@ def check_same_results(results, single_process, n_processes):
 # covers both layouts and all three shard counts between them.
 LAYOUTS = [
     pytest.param("launch", (2,), id="launch-2x4-mp2"),
-    pytest.param("explicit", (4,), id="explicit-4x2-mp4"),
+    pytest.param("explicit", (4,), id="explicit-4x2-mp4", marks=pytest.mark.slow),  # 49 s
     pytest.param("launch", (1, 4), id="launch-2x4-mp1,4", marks=pytest.mark.slow),
     pytest.param("explicit", (1, 2), id="explicit-4x2-mp1,2", marks=pytest.mark.slow),
 ]
@@ -155,6 +155,7 @@ def run_explicit(out_dir, n, n_local, shard_counts):
     return load_results(out_dir, n, shard_counts)
 
 
+@pytest.mark.slow  # 31 s: four processes, then two, then one
 def test_checkpoints_move_between_process_counts(tmp_path):
     """Saved by 1 process -> restored and continued by 2 -> saved by 2 -> restored by 1."""
     one = multiprocess_worker.ckpt_trainer(str(tmp_path / "one"))
