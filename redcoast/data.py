@@ -54,14 +54,6 @@ def is_iterator(examples):
     return hasattr(examples, "__next__") and iter(examples) is examples
 
 
-def as_examples(examples):
-    """``examples`` indexable with a length: a list, a sequence, a ``datasets.Dataset``; any other
-    iterable (a generator, an iterable dataset) is read into a list once."""
-    if is_sequence(examples):
-        return examples
-    return list(examples)
-
-
 def is_endless(iterable):
     """True for the iterators known never to end (``itertools.count``, ``cycle``, ``repeat``
     without ``times``); any other stream may or may not end, which cannot be told in advance."""

@@ -546,9 +546,6 @@ class Trainer:
         """Start saving the full training state to ``store`` (a :class:`CheckpointStore`)."""
         self._check_finite()
         meta = {"step": self._host_step, "epoch": int(epoch), "position": int(position),
-                # examples of the epoch trained on (a stream's resume skips them)
-                "examples_in_epoch": int(position) * int((config or {}).get("global_batch_size", 0))
-                * self.accumulate_grad_batches,
                 "train_rng": key_to_json(to_host(self._train_rng)),
                 "eval_rng": key_to_json(to_host(self._eval_rng)),
                 "best": dict(self._best), "config": config or {}}
