@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
+from ..sharding.paths import key_to_str
 from ..tensor_files import Deferred, host_array
 from . import hf
 from .base import Model
@@ -140,7 +141,7 @@ def _is_source(x):
 
 
 def _path_str(path):
-    return ".".join(str(getattr(k, "key", k)) for k in path)
+    return ".".join(key_to_str(k) for k in path)
 
 
 def _stored_names(reader):
