@@ -87,12 +87,12 @@ def setup(n_model_shards, examples, optimizer):
 
     trainer = Trainer(deployer, collate, model.apply, lm_loss(model), model.init(0), optimizer)
     compiled_rc = trainer.compile_train_step(batch)  # fixes the plan as the first batch would
-    placed = jax.device_put(batch, NamedSharding(trainer.deployer.mesh, P("dp")))
+    placed = jax.device_put(batch, NamedSharding(trainer.mesh, P("dp")))
     rc = {"state": trainer._state}
     rng = trainer._train_rng
 
     def rc_step():
-        rc["state"], metrics = trainer._train_step(rc["state"], placed, rng)
+        rc["state"], metrics = trainer.layout.train_step(rc["state"], placed, rng)
         return metrics["loss"]
 
     plan = deployer.get_sharding_plan(model.abstract_params(), HAND_RULES)
@@ -166,7 +166,7 @@ def main():
               f"{rc_bytes / 2**20:14.2f} {hand_bytes / 2**20:9.2f} {rc_bytes / hand_bytes:11.3f}  "
               f"{getattr(layout, 'name', '') if layout is not None else ''}", flush=True)
         if args.collectives:
-            mesh = trainer.deployer.mesh
+            mesh = trainer.mesh
             for name, c in zip(("redcoast", "hand"), compiled):
                 print(f"      {name:>8}: {collective_report(c, mesh).summary()}")
 

@@ -112,7 +112,7 @@ def collate_fn(examples):
 
 def make_hand_loop(model, optimizer, trainer, global_batch):
     """The hand-written loop, placed exactly like the Trainer's state."""
-    mesh = trainer.deployer.mesh
+    mesh = trainer.mesh
     batch_sharding = NamedSharding(mesh, P("dp"))
     param_shardings = trainer.plan.param_shardings()
     opt_shardings = jax.tree_util.tree_map(lambda x: x.sharding, trainer.state.opt_state)
@@ -233,13 +233,13 @@ def main():
         # Diagnostic: the hand-written loop driving the Trainer's own compiled step (private
         # attributes), which splits the gap into host-side loop cost and in-step extras.
         def step(state, batch):
-            state, metrics = trainer._train_step(state, batch, trainer._train_rng)
+            state, metrics = trainer.layout.train_step(state, batch, trainer._train_rng)
             return state, metrics["loss"]
         trainer._state = hand_epoch(trainer._state, examples, order_of(epoch, len(examples)),
                                     len(examples) // global_batch, args.log_every, step_fn=step)
 
     loops = {"redcoast Trainer": run_trainer, "hand-written jax.jit": run_hand}
-    if args.breakdown and hasattr(trainer, "_train_step") and hasattr(trainer, "_train_rng"):
+    if args.breakdown and hasattr(trainer, "_train_rng"):
         loops["hand loop, Trainer step"] = run_hand_with_trainer_step
 
     # Warm-up: compile every step, start the thread machinery, touch every code path once.
@@ -247,7 +247,7 @@ def main():
     for run in loops.values():
         run(warm, 0)
     warmup_s = time.perf_counter() - t0
-    trainer_step = getattr(trainer, "_train_step", None)
+    trainer_step = trainer.layout.train_step
     sizes_before = cache_size(trainer_step), cache_size(hand_step)
 
     # Timed: one epoch of each loop in turn (A, B, A, B, ...), so slow phases of a shared

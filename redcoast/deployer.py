@@ -21,7 +21,9 @@ class Deployer:
 
     The mesh has axes ``('dp', 'mp')``: ``mp`` = ``n_model_shards`` devices hold one copy of the
     model between them; ``dp`` = devices / n_model_shards copies each see their own slice of
-    every batch.
+    every batch. With ``n_model_shards='auto'`` this mesh spreads the model over every device,
+    and each Trainer chooses its own number at its first batch (``trainer.layout``); the
+    deployer is never changed by what a Trainer chooses.
     """
 
     def __init__(self, jax_seed=0, n_model_shards=1, workdir=None, verbose=True,
@@ -38,12 +40,13 @@ class Deployer:
             if n_model_shards != "auto":
                 raise ConfigError(f"n_model_shards={n_model_shards!r}; it must be a positive integer "
                                   "or 'auto'.")
-            # Until the Trainer has measured its step on a first batch, the model is spread over
-            # every device: whatever the model, its placement then fits if anything does.
-            self.model_shards_pending = True
+            # A Trainer chooses the number among its layouts at the first batch (layout.py);
+            # until then, and for what runs outside a Trainer, the model is spread over every
+            # device: whatever the model, its placement then fits if anything does.
+            self.n_model_shards_requested = "auto"
             n_model_shards = jax.device_count()
         else:
-            self.model_shards_pending = False
+            self.n_model_shards_requested = n_model_shards
         self.memory_budget_bytes = memory_budget_bytes
         self.mesh = make_mesh(n_model_shards)
         self._rng = jax.random.PRNGKey(self.jax_seed)
@@ -56,8 +59,8 @@ class Deployer:
             f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
             f"process(es) ({distributed.describe(self.cluster)}); "
             f"mesh dp={self.n_data_shards} x mp={self.n_model_shards}"
-            + (" until n_model_shards='auto' is settled at the first batch"
-               if self.model_shards_pending else ""))
+            + (" (n_model_shards='auto': a Trainer chooses its own at the first batch)"
+               if self.n_model_shards_requested == "auto" else ""))
 
     def close(self):
         """Flush and close the run's logs (log.txt, metrics.jsonl, TensorBoard, W&B)."""
@@ -75,10 +78,12 @@ class Deployer:
         n = jax.device_count()
         return [d for d in range(1, n + 1) if n % d == 0]
 
-    def use_model_shards(self, n_model_shards):
-        """Rebuild the mesh with ``n_model_shards`` (how ``n_model_shards='auto'`` settles)."""
-        self.mesh = make_mesh(n_model_shards)
-        self.model_shards_pending = False
+    def mesh_for(self, n_model_shards):
+        """The ('dp', 'mp') mesh with ``n_model_shards`` over this run's devices (the deployer's
+        own mesh for its own number)."""
+        if n_model_shards == self.n_model_shards:
+            return self.mesh
+        return make_mesh(n_model_shards)
 
     def device_memory_budget(self):
         """Bytes one device may use: ``memory_budget_bytes`` if given, else the accelerator's

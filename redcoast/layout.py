@@ -1,86 +1,91 @@
-"""Which layout a run trains in, chosen from the compiled steps of a few candidates.
+"""The layout a Trainer runs in: one frozen value, built in one place.
 
-A candidate is one setting of the choices the Trainer can make for a model on a mesh: FSDP on or
-off (large tensors also split over 'dp') and sibling-matmul fusion on or off (which also keeps K/V
-heads by groups of shards). Each candidate's training step is compiled for the first batch; XLA's
-memory analysis says whether it fits a device, and a cost model says how long it should take:
+A :class:`Layout` is everything a run executes that depends on how the model is laid out: the
+mesh, the sharding plan, the shardings of the training state and of the batches, and the jitted
+train and eval steps (with the loss rewrite the candidate applies). The Trainer holds one and
+swaps it in one assignment; nothing else keeps a piece of it.
 
-    seconds = flops / flop_rate + bytes accessed / memory_rate
-              + sum over collectives (latency + wire bytes / link_rate)
-
-with per-platform rates (``RATES``). Among the candidates that fit, the cheapest wins; a candidate
-within ``TIE`` of the cheapest that needs less memory is preferred (same speed, more room).
-The result is a frozen :class:`Layout` the Trainer keeps as ``trainer.layout``; its ``table``
-lists every candidate with the figures the choice was made from.
+A :class:`Candidate` is one setting of the choices left to redcoast: the number of model shards
+(with ``n_model_shards='auto'``), FSDP on or off, sibling-matmul fusion on or off (which also keeps
+K/V heads by groups of shards). :func:`choose_layout` traces each candidate's plan from the loss,
+compiles the distinct ones for the first batch and keeps the fastest that fits a device by the
+cost model of cost_model.py; ``layout.table`` lists what was compared.
 """
 
 import dataclasses
+from typing import Any, Callable
 
-from .comms import collective_report
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-# Rates per platform (per device). CPU: simulated devices share the host's cores and XLA's CPU
-# collectives rendezvous threads and reduce on one of them, so a collective byte costs far more
-# than a byte of compute: fitted to the step-time differences of fused against unfused steps of
-# benchmarks/defaults_vs_hand.py (4x2: -6.3 MB wire, -0.23 s; 1x8: -24 MB, -0.8 GFLOP, -0.7 s on a
-# loaded 2-core host). Accelerators: nominal figures (device memory vs links), not fitted.
-RATES = {
-    "cpu": dict(flop_rate=2e10, memory_rate=1e10, link_rate=3e7, latency=2e-4),
-    "gpu": dict(flop_rate=2e14, memory_rate=2e12, link_rate=1e11, latency=1e-5),
-    "tpu": dict(flop_rate=2e14, memory_rate=1e12, link_rate=1e11, latency=1e-5),
-}
-TIE = 0.01
+from .cost_model import choose, estimate, format_table
+from .errors import ConfigError
+from .sharding import ShardingPlan
+from .sharding.context import laid_out_for
+from .sharding.dataflow import traced_placements
+from .sharding.fusion import split_weight_axes
+from .steps import cast_floating, make_eval_step, make_train_step
+from .train_state import TrainState
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Recipe:
+    """What the user asked of the training step: the same in every layout."""
+    loss_fn: Callable
+    compute_dtype: Any
+    accumulate_grad_batches: int = 1
+    train_step_fn: Callable = None
+    log_grad_norm: bool = False
+    params_sharding_rules: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One setting of the Trainer's layout choices."""
+    """One setting of the layout choices."""
+    n_model_shards: int
     fsdp: bool
     fuse_matmuls: bool
 
     @property
     def name(self):
-        return f"fsdp={'on' if self.fsdp else 'off'}, fusion={'on' if self.fuse_matmuls else 'off'}"
+        return (f"mp={self.n_model_shards}, fsdp={'on' if self.fsdp else 'off'}, "
+                f"fusion={'on' if self.fuse_matmuls else 'off'}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    """What the compiled step of one candidate costs, from XLA's analyses."""
-    memory_bytes: int       # peak bytes per device (arguments + outputs - aliased + temporaries)
-    flops: float
-    bytes_accessed: float
-    collectives: int        # per step
-    wire_bytes: float       # per device per step
-    seconds: float          # the cost model's estimate
-
-
-def estimate(compiled, mesh, platform):
-    """The :class:`Estimate` of a compiled step on ``mesh``."""
-    m = compiled.memory_analysis()
-    memory = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-              + m.temp_size_in_bytes)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    report = collective_report(compiled, mesh)
-    count, wire = report.count(), float(report.wire_bytes())
-    r = RATES.get(platform, RATES["gpu"])
-    seconds = (flops / r["flop_rate"] + accessed / r["memory_rate"]
-               + count * r["latency"] + wire / r["link_rate"])
-    return Estimate(int(memory), flops, accessed, int(count), wire, seconds)
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
-    """The layout a Trainer runs in, and why it was chosen."""
+    """The layout a Trainer runs in, and why it was chosen.
+
+    ``final`` is False for the layout the parameters are first placed in (a plan from their
+    shapes), until the first batch has traced the loss and chosen.
+    """
     candidate: Candidate
-    plan: object            # the ShardingPlan (storage and compute placements)
-    estimate: Estimate = None
+    mesh: Any
+    plan: ShardingPlan
+    state_shardings: TrainState
+    batch_sharding: NamedSharding        # an update's batch (micro-batches first when accumulating)
+    eval_batch_sharding: NamedSharding   # an evaluation batch, and its padding mask
+    replicated: NamedSharding
+    train_step: Callable                 # jitted: (state, batch, rng) -> (state, metrics)
+    eval_step: Callable                  # jitted: (state, batch, mask, rng) -> (sums, count)
+    source: str = "the parameters' shapes"
+    final: bool = True
+    estimate: Any = None                 # the chosen candidate's cost_model.Estimate, if compared
     reason: str = "the only candidate"
     table: str = ""
+    considered: tuple = ()               # ((Candidate, Estimate), ...) compared for the choice
 
     @property
     def name(self):
         return self.candidate.name
+
+    @property
+    def n_model_shards(self):
+        return self.mesh.shape["mp"]
+
+    @property
+    def n_data_shards(self):
+        return self.mesh.shape["dp"]
 
     @property
     def fsdp(self):
@@ -90,38 +95,194 @@ class Layout:
     def fuse_matmuls(self):
         return self.candidate.fuse_matmuls
 
+    def global_batch_size(self, per_device_batch_size):
+        return per_device_batch_size * self.n_data_shards
+
     def __str__(self):
         return f"{self.name}: {self.reason}" + (f"\n{self.table}" if self.table else "")
 
 
-def choose(estimates, budget_bytes):
-    """(index of the chosen estimate, why). The cheapest that fits ``budget_bytes``; within
-    ``TIE`` of it, the one needing least memory. None of them fitting: the smallest."""
-    fits = [i for i, e in enumerate(estimates) if e.memory_bytes <= budget_bytes]
-    if not fits:
-        i = min(range(len(estimates)), key=lambda j: estimates[j].memory_bytes)
-        return i, (f"none fits the budget of {_mib(budget_bytes)} per device; the smallest "
-                   f"({_mib(estimates[i].memory_bytes)})")
-    cheapest = min(fits, key=lambda j: estimates[j].seconds)
-    near = [j for j in fits if estimates[j].seconds <= estimates[cheapest].seconds * (1 + TIE)]
-    i = min(near, key=lambda j: (estimates[j].memory_bytes, estimates[j].seconds))
-    if i == cheapest:
-        return i, "the lowest estimated step time among those that fit"
-    return i, (f"within {TIE:.0%} of the lowest estimated step time and "
-               f"{_mib(estimates[cheapest].memory_bytes - estimates[i].memory_bytes)} less memory")
+def placed_on(tree, mesh):
+    """Whether every leaf of ``tree`` is a jax.Array laid out on ``mesh``."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == mesh
+                                for x in leaves)
 
 
-def format_table(candidates, estimates, chosen, budget_bytes):
-    """One line per candidate: memory, the cost model's inputs and estimate, which was chosen."""
-    lines = [f"{'candidate':<26}{'memory/dev':>12}{'GFLOP':>9}{'MB accessed':>13}"
-             f"{'collectives':>12}{'wire MB':>9}{'est. ms':>9}"]
-    for i, (c, e) in enumerate(zip(candidates, estimates)):
-        mark = "  <- chosen" if i == chosen else ("  (over budget)" if e.memory_bytes > budget_bytes else "")
-        lines.append(f"{c.name:<26}{_mib(e.memory_bytes):>12}{e.flops / 1e9:>9.2f}"
-                     f"{e.bytes_accessed / 1e6:>13.1f}{e.collectives:>12}{e.wire_bytes / 1e6:>9.2f}"
-                     f"{e.seconds * 1e3:>9.2f}{mark}")
-    return "\n".join(lines)
+def frozen_shardings(frozen, mesh):
+    """Where ``frozen_params`` live: where they are, if that is ``mesh``; else a plan from their
+    shapes (split over model shards, not over 'dp': they have no optimizer state)."""
+    if frozen is None:
+        return None
+    if placed_on(frozen, mesh):
+        return jax.tree_util.tree_map(lambda x: x.sharding, frozen)
+    return ShardingPlan(frozen, mesh).param_shardings()
 
 
-def _mib(n):
-    return f"{n / 2**20:.2f} MiB"
+def shape_plan(recipe, candidate, mesh, params):
+    """The plan from the parameters' shapes alone (before any batch has been traced)."""
+    return ShardingPlan(params, mesh, user_rules=recipe.params_sharding_rules, fsdp=candidate.fsdp)
+
+
+def trace_plan(recipe, candidate, mesh, state, abstract_batch):
+    """(plan, where it came from): traced from the loss on one (abstract) micro-batch."""
+    def traced_loss(params, batch):
+        return recipe.loss_fn(jax.random.PRNGKey(0), state,
+                              cast_floating(params, recipe.compute_dtype), batch, True)
+
+    # K/V heads kept by groups of shards pay only with the K/V projection rewritten (the
+    # built-in step's fusion): as written, XLA gathers their gradient repeated per query head
+    # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated)
+    grouped = candidate.fuse_matmuls and recipe.train_step_fn is None
+    placements, source = traced_placements(traced_loss, state.params, abstract_batch,
+                                           n_model_shards=candidate.n_model_shards,
+                                           group_kv_heads=grouped)
+    plan = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
+                        base_placements=placements, fsdp=candidate.fsdp)
+    return plan, source
+
+
+def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' shapes", final=True):
+    """The :class:`Layout` of ``candidate`` on ``mesh`` with ``plan``, for ``state``'s structure.
+    Its steps are jitted, not compiled: they compile at their first call (or lowering)."""
+    replicated = NamedSharding(mesh, P())
+    state_shardings = TrainState(
+        step=replicated, params=plan.param_shardings(),
+        opt_state=plan.opt_state_shardings(state.opt_state), nonfinite_step=replicated,
+        apply_fn=state.apply_fn, tx=state.tx,
+        frozen_params=frozen_shardings(state.frozen_params, mesh))
+    n = candidate.n_model_shards
+    # the loss is traced knowing the number of model shards (sharding/context.py)
+    loss_fn = laid_out_for(recipe.loss_fn, n)
+    step_fn = recipe.train_step_fn or make_train_step(
+        loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
+        grad_shardings=state_shardings.params,
+        fuse_for_model_shards=n if candidate.fuse_matmuls else None,
+        split_weights=split_weight_axes(plan.compute_placements), mesh=mesh,
+        compute_shardings=plan.compute_shardings(), log_grad_norm=recipe.log_grad_norm)
+    rows = NamedSharding(mesh, P("dp"))
+    batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, "dp"))
+    train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
+                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings()),
+                        in_shardings=(state_shardings, rows, rows, replicated),
+                        out_shardings=replicated)
+    return Layout(candidate, mesh, plan, state_shardings, batch_sharding, rows, replicated,
+                  train_step, eval_step, source=source, final=final)
+
+
+def lower_train_step(layout, state, abstract_micro_batch, accumulate_grad_batches, rng):
+    """``layout``'s training step lowered for ``state``'s and ``rng``'s shapes and one update's
+    batch."""
+    k = accumulate_grad_batches
+    # placed as the real batches will be, so that the call reuses this compilation
+    batch = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape if k == 1 else (k, *x.shape), x.dtype,
+                                       sharding=layout.batch_sharding), abstract_micro_batch)
+    abstract_state = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, layout.state_shardings)
+    rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=layout.replicated)
+    return layout.train_step.lower(abstract_state, batch, rng)
+
+
+def candidates_at(n_model_shards, n_data_shards, fsdp_options, fuse_options):
+    """The candidates that can differ on a mesh of this shape: FSDP does nothing with one data
+    shard, fusion nothing with one model shard (nor with the user's own train_step_fn, which
+    the caller says by giving one fuse option)."""
+    fsdp = fsdp_options if n_data_shards > 1 else fsdp_options[:1]
+    fuse = fuse_options if n_model_shards > 1 else [False]
+    return [Candidate(n_model_shards, f, m) for f in fsdp for m in fuse]
+
+
+def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, batch_for,
+                  make_mesh, budget_bytes, platform):
+    """The final :class:`Layout` for ``state``: among the candidates (``shard_counts`` x
+    ``fsdp_options`` x ``fuse_options``) the fastest that fits ``budget_bytes`` per device.
+
+    ``batch_for(mesh)`` gives the first micro-batch (abstract) on a mesh; ``make_mesh(n)`` the
+    mesh with n model shards. One candidate: built, not compiled. Several numbers of model
+    shards (``'auto'``): each is first measured in its leanest setting (FSDP and fusion on
+    where they are options), from the fewest shards up, stopping once a count that fits costs
+    more per example than the one before; the other settings are compared at the best count
+    only. A few compilations at the first batch in all.
+    """
+    traced = {}  # Candidate -> (plan, source, abstract batch, mesh)
+
+    def trace(c):
+        if c not in traced:
+            mesh = make_mesh(c.n_model_shards)
+            abstract = batch_for(mesh)
+            plan, source = trace_plan(recipe, c, mesh, state, abstract)
+            traced[c] = (plan, source, abstract, mesh)
+        return traced[c]
+
+    def distinct(candidates):
+        out, seen = [], set()
+        for c in candidates:
+            plan = trace(c)[0]
+            key = (c.n_model_shards, tuple(pl.spec for pl in plan.placements),
+                   tuple(pl.spec for pl in plan.compute_placements), c.fuse_matmuls)
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+        return out
+
+    def shape_of(n):
+        return len(jax.devices()) // n
+
+    if len(shard_counts) == 1:
+        n = shard_counts[0]
+        options = distinct(candidates_at(n, shape_of(n), fsdp_options, fuse_options))
+        if len(options) == 1:
+            c = options[0]
+            plan, source, _, mesh = traced[c]
+            return build_layout(recipe, c, mesh, plan, state, source)
+    else:
+        options = []
+    measured, layouts = {}, {}
+
+    def measure(c):
+        if c not in measured:
+            plan, source, abstract, mesh = trace(c)
+            layout = build_layout(recipe, c, mesh, plan, state, source)
+            compiled = lower_train_step(layout, state, abstract, recipe.accumulate_grad_batches,
+                                        rng).compile()
+            examples = jax.tree_util.tree_leaves(abstract)[0].shape[0] * recipe.accumulate_grad_batches
+            measured[c] = estimate(compiled, mesh, platform, examples)
+            layouts[c] = layout
+        return measured[c]
+
+    if len(shard_counts) > 1:
+        best = None
+        for n in sorted(shard_counts):
+            lean = distinct(candidates_at(n, shape_of(n), fsdp_options, fuse_options))[-1]
+            e = measure(lean)
+            if e.memory_bytes > budget_bytes:
+                continue
+            if best is not None and e.seconds_per_example >= measured[best].seconds_per_example:
+                break
+            best = lean
+        if best is None:
+            n = max(shard_counts)
+            raise ConfigError(
+                f"n_model_shards='auto': even split over all {n} devices the training step needs "
+                f"{_size(measured[lean].memory_bytes)} per device, over the budget of "
+                f"{_size(budget_bytes)}. Fix: a smaller per_device_batch_size, "
+                "accumulate_grad_batches, compute_dtype=jnp.bfloat16, rematerialisation in the "
+                "model, or more devices.")
+        options = distinct(candidates_at(best.n_model_shards, shape_of(best.n_model_shards),
+                                         fsdp_options, fuse_options))
+    for c in options:
+        measure(c)
+    compared = list(measured)
+    estimates = [measured[c] for c in compared]
+    i, why = choose(estimates, budget_bytes)
+    chosen = compared[i]
+    return dataclasses.replace(
+        layouts[chosen], estimate=estimates[i], reason=why,
+        table=format_table(compared, estimates, i, budget_bytes),
+        considered=tuple(zip(compared, estimates)))
+
+
+def _size(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -25,24 +25,34 @@ class Predictor:
         self.output_fn = output_fn
         self.params_sharding_rules = params_sharding_rules
         self._rng = deployer.gen_rng()
-        self._compiled = {}
-        self._plan_owner = None
+        self._compiled = {}  # the params' structure, shapes, dtypes and shardings -> compiled step
 
-    def follow_plan_of(self, trainer):
-        """Place parameters as ``trainer`` does, now and after it refines its plan."""
-        self._plan_owner = trainer
+    def _placement(self, params):
+        """(mesh, storage shardings, shardings where used) for ``params``.
+
+        Without ``params_sharding_rules``, parameters already laid out on one ('dp', 'mp') mesh
+        (``trainer.params``, ``from_pretrained(..., deployer)``) stay where they are, on that
+        mesh; the step gathers what is stored split over 'dp' (FSDP) where it is used. Anything
+        else is placed by a plan from the shapes on the deployer's mesh."""
+        if not self.params_sharding_rules:
+            mesh = _laid_out_on(params)
+            if mesh is not None:
+                storage = jax.tree_util.tree_map(lambda x: x.sharding, params)
+                used = jax.tree_util.tree_map(
+                    lambda x: NamedSharding(mesh, _without_dp(x.sharding.spec))
+                    if x.sharding.mesh == mesh else x.sharding, params)
+                return mesh, storage, used
+        plan = self.deployer.get_sharding_plan(params, self.params_sharding_rules)
+        return self.deployer.mesh, plan.param_shardings(), plan.compute_shardings()
 
     def _step_for(self, params):
-        """The sharded params and the jitted step for this params structure (built once)."""
+        """(mesh, storage shardings, jitted step) for ``params`` (built once per layout of them)."""
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in leaves))
-        owner_plan = self._plan_owner.plan if self._plan_owner is not None else None
-        key = key + (id(owner_plan),)
+        key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", "")),
+                               x.sharding if isinstance(x, jax.Array) else None) for x in leaves))
         if key not in self._compiled:
-            plan = owner_plan or self.deployer.get_sharding_plan(params, self.params_sharding_rules)
-            shardings, used = plan.param_shardings(), plan.compute_shardings()
-            mesh = self.deployer.mesh
-            pred_fn = laid_out_for(self.pred_fn, self.deployer.n_model_shards)
+            mesh, shardings, used = self._placement(params)
+            pred_fn = laid_out_for(self.pred_fn, mesh.shape["mp"])
 
             def step(p, batch, rng, index):
                 # parameters stored split further (FSDP) are gathered where used, not the activations
@@ -51,15 +61,15 @@ class Predictor:
 
             jitted = jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, P("dp")),
                                                  NamedSharding(mesh, P()), NamedSharding(mesh, P())))
-            self._compiled[key] = (shardings, jitted)
+            self._compiled[key] = (mesh, shardings, jitted)
         return self._compiled[key]
 
     def predict(self, examples, per_device_batch_size, params, desc=None):
         """A list with exactly one output per example, in the order of ``examples``."""
-        shardings, step = self._step_for(params)
+        mesh, shardings, step = self._step_for(params)
         params = jax.device_put(params, shardings)
-        global_batch = self.deployer.global_batch_size(per_device_batch_size)
-        maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch)
+        global_batch = per_device_batch_size * mesh.shape["dp"]
+        maker = BatchMaker(mesh, self.collate_fn, global_batch)
         batches = prefetch((maker.make(examples, idx), n_real)
                            for idx, n_real in padded_batches(len(examples), global_batch))
         results, in_flight = [], None
@@ -88,3 +98,30 @@ class Predictor:
                                 "examples. Fix: return one output per row of its input.")
             return outputs
         return [jax.tree_util.tree_map(lambda x: x[i], host) for i in range(n_real)]
+
+
+def _laid_out_on(params):
+    """The ('dp', 'mp') mesh every leaf of ``params`` is laid out on (a leaf may be on a mesh of
+    grouped axes over the same devices), or None."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if not leaves or not all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                             for x in leaves):
+        return None
+    meshes = {x.sharding.mesh for x in leaves}
+    base = [m for m in meshes if tuple(m.axis_names) == ("dp", "mp")]
+    if len(base) != 1:
+        return None
+    devices = set(base[0].devices.flat)
+    return base[0] if all(set(m.devices.flat) == devices for m in meshes) else None
+
+
+def _without_dp(spec):
+    """``spec`` with the 'dp' axis taken out: where the step uses a parameter FSDP stores split."""
+    def drop(entry):
+        if entry == "dp":
+            return None
+        if isinstance(entry, tuple):
+            rest = tuple(a for a in entry if a != "dp")
+            return rest[0] if len(rest) == 1 else (rest or None)
+        return entry
+    return P(*(drop(e) for e in spec))

@@ -18,14 +18,12 @@ from .data import (BatchMaker, Stream, epoch_order, examples_by_epoch, is_iterat
                    padded_batches, prefetch)
 from .errors import ConfigError, DataError, NonFiniteLossError
 from .host import to_host
-from .layout import Candidate, Layout, choose, estimate, format_table
+from .layout import (Candidate, Recipe, build_layout, choose_layout, frozen_shardings,
+                     lower_train_step, placed_on, shape_plan)
 from .predictor import Predictor
 from .preemption import PreemptionGuard
-from .sharding.context import laid_out_for
-from .sharding.dataflow import FALLBACK, traced_placements
-from .sharding.fusion import split_weight_axes
+from .sharding.dataflow import FALLBACK
 from .throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
-from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
 from .workdir import WorkdirLock, agree, move_aside
 
@@ -69,248 +67,120 @@ class Trainer:
         self.lr_schedule_fn = lr_schedule_fn
         self.accumulate_grad_batches = accumulate_grad_batches
         self.compute_dtype = compute_dtype
-        mesh = deployer.mesh
-        self._replicated = NamedSharding(mesh, P())
-
         self.params_sharding_rules = params_sharding_rules
         self.train_step_fn = train_step_fn
-        # None: chosen at the first batch (_choose_layout); until then FSDP on, fusion off
-        self._to_choose = {"fsdp": fsdp is None, "fuse_matmuls": fuse_matmuls is None}
-        self.fsdp = True if fsdp is None else bool(fsdp)
-        self.fuse_matmuls = bool(fuse_matmuls)
-        self.layout = None  # a redcoast.layout.Layout once the first batch has fixed it
-        self.log_grad_norm = bool(log_grad_norm)
-        # A first plan from the shapes alone, so the parameters are placed (and trainer.params
-        # usable) at once; the first batch refines it from the loss's traced data flow.
-        self.plan = deployer.get_sharding_plan(params, params_sharding_rules, fsdp=self.fsdp)
-        self._plan_final = False
-        param_shardings = self.plan.param_shardings()
+        self.recipe = Recipe(loss_fn, compute_dtype, accumulate_grad_batches, train_step_fn,
+                             bool(log_grad_norm), params_sharding_rules)
+        # None: chosen at the first batch (choose_layout); until then FSDP on, fusion off
+        self._options = {"fsdp": [False, True] if fsdp is None else [bool(fsdp)],
+                         "fuse_matmuls": ([False, True] if fuse_matmuls is None and train_step_fn is None
+                                          else [bool(fuse_matmuls)])}
+        # A first layout from the shapes alone, so the parameters are placed (and trainer.params
+        # usable) at once; the first batch replaces it by one traced from the loss's data flow.
+        mesh = deployer.mesh
+        first = Candidate(deployer.n_model_shards, fsdp is not False, bool(fuse_matmuls))
+        plan = shape_plan(self.recipe, first, mesh, params)
+        param_shardings = plan.param_shardings()
         # The step donates its state, which must never delete the caller's arrays, and
         # device_put may reuse their buffers: a compiled copy owns fresh ones.
-        params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=param_shardings)(
-            jax.device_put(params, param_shardings))
-        opt_shardings = self.plan.opt_state_shardings(jax.eval_shape(optimizer.init, params))
+        params = jax.jit(_copy_tree, out_shardings=param_shardings)(jax.device_put(params, param_shardings))
+        opt_shardings = plan.opt_state_shardings(jax.eval_shape(optimizer.init, params))
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         if frozen_params is not None:  # a copy the step may donate, as for params
-            frozen_shardings = self._frozen_shardings(frozen_params)
-            if deployer.n_model_shards > 1 and not _placed_on(frozen_params, mesh):
+            shardings = frozen_shardings(frozen_params, mesh)
+            if deployer.n_model_shards > 1 and not placed_on(frozen_params, mesh):
                 deployer.log_warning(
                     "frozen_params are placed by a plan from their shapes alone. For the plan "
                     "traced from the model's data flow, pass them placed: from_pretrained(..., "
                     "deployer) does it, or jax.device_put(tree, deployer.get_sharding_plan(tree, "
                     "traced_fn=apply_fn, example_args=...).param_shardings()).")
-            frozen_params = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p),
-                                    out_shardings=frozen_shardings)(
-                jax.device_put(frozen_params, frozen_shardings))
-        scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), self._replicated)
+            frozen_params = jax.jit(_copy_tree, out_shardings=shardings)(
+                jax.device_put(frozen_params, shardings))
+        replicated = NamedSharding(mesh, P())
+        scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), replicated)
         self._state = TrainState(step=scalar(0), params=params, opt_state=opt_state,
                                  nonfinite_step=scalar(-1), apply_fn=apply_fn, tx=optimizer,
                                  frozen_params=frozen_params)
         self._host_step = 0
-        self._train_rng = jax.device_put(deployer.gen_rng(), self._replicated)
-        self._eval_rng = jax.device_put(deployer.gen_rng(), self._replicated)
+        self._train_rng = jax.device_put(deployer.gen_rng(), replicated)
+        self._eval_rng = jax.device_put(deployer.gen_rng(), replicated)
         self._best = {}
         self._first_epoch = 0  # fit's first epoch when no checkpoint is resumed (redco's last_ckpt_info)
-        self.model_shard_memory = {}  # filled when n_model_shards="auto" settles
-        self._compile_steps()
+        self.layout = build_layout(self.recipe, first, mesh, plan, self._state, final=False)
+        self._step_costs = {}  # batch shapes -> StepCost, for the current layout's train step
 
-    def _compile_steps(self):
-        """The jitted train and eval steps for the current plan (compiled at their first call)."""
-        self._step_costs = {}  # batch shapes -> StepCost, for the steps compiled here
-        mesh = self.deployer.mesh
-        s = self._state
-        self._state_shardings = TrainState(
-            step=self._replicated, params=self.plan.param_shardings(),
-            opt_state=self.plan.opt_state_shardings(s.opt_state),
-            nonfinite_step=self._replicated, apply_fn=s.apply_fn, tx=s.tx,
-            frozen_params=self._frozen_shardings(s.frozen_params))
-        # the loss is traced knowing the number of model shards (sharding/context.py)
-        loss_fn = laid_out_for(self.loss_fn, self.deployer.n_model_shards)
-        step_fn = self.train_step_fn or make_train_step(
-            loss_fn, self.compute_dtype, self.accumulate_grad_batches,
-            grad_shardings=self._state_shardings.params,
-            fuse_for_model_shards=self.deployer.n_model_shards if self.fuse_matmuls else None,
-            split_weights=split_weight_axes(self.plan.compute_placements), mesh=mesh,
-            compute_shardings=self.plan.compute_shardings(), log_grad_norm=self.log_grad_norm)
-        batch_spec = P("dp") if self.accumulate_grad_batches == 1 else P(None, "dp")
-        self._train_step = jax.jit(
-            step_fn,
-            in_shardings=(self._state_shardings, NamedSharding(mesh, batch_spec), self._replicated),
-            out_shardings=(self._state_shardings, self._replicated),
-            donate_argnums=(0,))
-        self._eval_step = jax.jit(
-            make_eval_step(loss_fn, self.compute_dtype, self.plan.compute_shardings()),
-            in_shardings=(self._state_shardings, NamedSharding(mesh, P("dp")),
-                          NamedSharding(mesh, P("dp")), self._replicated),
-            out_shardings=self._replicated)
+    @property
+    def plan(self):
+        """The sharding plan of the current layout (``trainer.layout.plan``)."""
+        return self.layout.plan
 
-    def _frozen_shardings(self, frozen):
-        """Where ``frozen_params`` live: where they are, if that is this mesh; else a plan from
-        their shapes (split over model shards, not over 'dp': they have no optimizer state)."""
-        if frozen is None:
-            return None
-        if _placed_on(frozen, self.deployer.mesh):
-            return jax.tree_util.tree_map(lambda x: x.sharding, frozen)
-        return self.deployer.get_sharding_plan(frozen).param_shardings()
+    @property
+    def fsdp(self):
+        return self.layout.fsdp
 
-    def _traced_plan(self, abstract_batch):
-        """The plan traced from ``loss_fn`` on one (abstract) micro-batch, on the current mesh,
-        and where it came from."""
-        state, dtype = self._state, self.compute_dtype
+    @property
+    def fuse_matmuls(self):
+        return self.layout.fuse_matmuls
 
-        def traced_loss(params, batch):
-            return self.loss_fn(jax.random.PRNGKey(0), state, cast_floating(params, dtype), batch, True)
+    @property
+    def mesh(self):
+        """The mesh the trainer runs on (the deployer's, or the one 'auto' chose)."""
+        return self.layout.mesh
 
-        # K/V heads kept by groups of shards pay only with the K/V projection rewritten (the
-        # built-in step's fusion): as written, XLA gathers their gradient repeated per query head
-        # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated)
-        fused = self.fuse_matmuls and self.train_step_fn is None
-        placements, source = traced_placements(traced_loss, state.params, abstract_batch,
-                                               n_model_shards=self.deployer.n_model_shards,
-                                               group_kv_heads=fused)
-        plan = self.deployer.get_sharding_plan(state.params, self.params_sharding_rules,
-                                               base_placements=placements, fsdp=self.fsdp)
-        return plan, source
+    def global_batch_size(self, per_device_batch_size):
+        return self.layout.global_batch_size(per_device_batch_size)
 
-    def _finalize_plan(self, example_batch):
-        """Replace the shape-based plan by one traced from ``loss_fn`` on ``example_batch``
-        (once, before the first step), move the state to it, and print the plan."""
-        if self._plan_final:
+    def _settle_layout(self, batch_for):
+        """Once, before the first step: choose the layout from the loss traced on the first
+        batch (``batch_for(mesh)``: a first micro-batch on ``mesh``), move the state to it and
+        say what was chosen and why."""
+        if self.layout.final:
             return
-        self._plan_final = True
-        plan, source, compiled = self._choose_layout(_abstract(example_batch))
-        if source.startswith(FALLBACK):  # said always, not only in verbose runs
-            self.deployer.log_warning(f"sharding plan from {source}")
-        if compiled:  # the chosen candidate's steps, already compiled for this batch
-            self._adopt_steps(compiled)
-        if compiled or not plan.same_placement(self.plan):
-            self._move_to(plan, recompile=not compiled)
-        if self.deployer.verbose:
-            if self.layout.table:
-                self.deployer.log_info(f"{self.layout.name}: {self.layout.reason}.\n{self.layout.table}",
-                                       title="Layout (candidates compiled for the first batch)")
-            self.deployer.log_info(self.plan.table(), title=f"Sharding plan (from {source})")
-            self.deployer.log_info(self.plan.rules_source(), title="As params_sharding_rules:")
+        deployer = self.deployer
+        shard_counts = (deployer.model_shard_candidates() if deployer.n_model_shards_requested == "auto"
+                        else [deployer.n_model_shards])
+        layout = choose_layout(
+            self.recipe, self._state, self._train_rng, shard_counts, self._options["fsdp"],
+            self._options["fuse_matmuls"], lambda mesh: _abstract(batch_for(mesh)),
+            deployer.mesh_for, deployer.device_memory_budget(), jax.devices()[0].platform)
+        self._adopt(layout)
+        if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
+            deployer.log_warning(f"sharding plan from {layout.source}")
+        if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
+            deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
+                              f"{layout.n_data_shards} x mp={layout.n_model_shards}): {layout.reason}.")
+        if deployer.verbose:
+            if layout.table:
+                deployer.log_info(f"{layout.name}: {layout.reason}.\n{layout.table}",
+                                  title="Layout (candidates compiled for the first batch)")
+            deployer.log_info(layout.plan.table(), title=f"Sharding plan (from {layout.source})")
+            deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
 
-    def _candidates(self):
-        """The settings of FSDP and fusion left to choose that can differ on this mesh."""
-        # off first: where FSDP splits nothing the two plans are one, and it is named off
-        fsdp = [False, True] if self._to_choose["fsdp"] and self.deployer.n_data_shards > 1 else [self.fsdp]
-        fuse = ([False, True] if self._to_choose["fuse_matmuls"] and self.train_step_fn is None
-                and self.deployer.n_model_shards > 1 else [self.fuse_matmuls])
-        return [Candidate(f, m) for f in fsdp for m in fuse]
+    def _adopt(self, layout):
+        """Run in ``layout`` from now on: the state and random keys move to it (donated: a model
+        may fill the devices)."""
+        self.layout = layout
+        self._step_costs = {}
+        self._state = jax.device_put(self._state, layout.state_shardings, donate=True)
+        self._train_rng = jax.device_put(self._train_rng, layout.replicated)
+        self._eval_rng = jax.device_put(self._eval_rng, layout.replicated)
 
-    def _choose_layout(self, abstract_batch):
-        """(plan, its source, the chosen candidate's compiled steps or None): the plan of each
-        candidate layout traced from the loss; with more than one distinct, each compiled for
-        ``abstract_batch`` and the fastest that fits chosen (layout.py); ``self.layout`` set."""
-        traced, seen = [], set()
-        for c in self._candidates():
-            self.fsdp, self.fuse_matmuls = c.fsdp, c.fuse_matmuls
-            plan, source = self._traced_plan(abstract_batch)
-            key = (tuple(pl.spec for pl in plan.placements),
-                   tuple(pl.spec for pl in plan.compute_placements), c.fuse_matmuls)
-            if key not in seen:
-                seen.add(key)
-                traced.append((c, plan, source))
-        if len(traced) == 1:
-            (c, plan, source), = traced
-            self.fsdp, self.fuse_matmuls = c.fsdp, c.fuse_matmuls
-            self.layout = Layout(c, plan)
-            return plan, source, None
-        steps, estimates = [], []
-        platform = jax.devices()[0].platform
-        for c, plan, _ in traced:
-            self.fsdp, self.fuse_matmuls, self.plan = c.fsdp, c.fuse_matmuls, plan
-            self._compile_steps()
-            compiled = self._lowered_train_step(abstract_batch).compile()
-            estimates.append(estimate(compiled, self.deployer.mesh, platform))
-            steps.append((self._train_step, self._eval_step, self._state_shardings))
-        budget = self.deployer.device_memory_budget()
-        i, why = choose(estimates, budget)
-        c, plan, source = traced[i]
-        self.fsdp, self.fuse_matmuls = c.fsdp, c.fuse_matmuls
-        self.layout = Layout(c, plan, estimates[i], why,
-                             format_table([t[0] for t in traced], estimates, i, budget))
-        return plan, source, steps[i]
-
-    def _adopt_steps(self, compiled):
-        self._train_step, self._eval_step, self._state_shardings = compiled
-
-    def _move_to(self, plan, recompile=True):
-        """Adopt ``plan`` (possibly on a new mesh): recompile, move the state and random keys."""
-        self.plan = plan
-        self._replicated = NamedSharding(self.deployer.mesh, P())
-        if recompile:
-            self._compile_steps()
-        # donate: the state moves, it is not copied (a model may fill the devices)
-        self._state = jax.device_put(self._state, self._state_shardings, donate=True)
-        self._train_rng = jax.device_put(self._train_rng, self._replicated)
-        self._eval_rng = jax.device_put(self._eval_rng, self._replicated)
-
-    def _first_batch(self, examples, order, per_device_batch_size):
-        """One micro-batch on the current mesh, for tracing and measuring the step (from a
+    def _first_batch(self, examples, order, per_device_batch_size, mesh):
+        """One micro-batch on ``mesh``, for tracing and measuring the step (from a
         :class:`Stream`, its next examples, read ahead and kept for training)."""
-        global_batch = self.deployer.global_batch_size(per_device_batch_size)
+        global_batch = per_device_batch_size * mesh.shape["dp"]
         if isinstance(examples, Stream):
             examples = examples.peek(global_batch)
             if len(examples) < global_batch:
                 raise ConfigError(
                     f"train_examples ended after {len(examples)} examples, fewer than one batch of "
                     f"{global_batch} (per_device_batch_size={per_device_batch_size} x "
-                    f"{self.deployer.n_data_shards} data shards). Fix: use a smaller batch size.")
+                    f"{mesh.shape['dp']} data shards). Fix: use a smaller batch size.")
             order = np.arange(global_batch)
-        return BatchMaker(self.deployer.mesh, self.collate_fn, global_batch).make(
-            examples, order[:global_batch])
-
-    def _settle_model_shards(self, make_batch):
-        """For ``n_model_shards='auto'``: the fewest model shards whose compiled training step fits
-        a device's memory (``make_batch()`` gives a first micro-batch on the current mesh)."""
-        deployer = self.deployer
-        if not deployer.model_shards_pending:
-            return
-        budget = deployer.device_memory_budget()
-        needs = self.model_shard_memory = {}  # n_model_shards -> bytes per device, as measured
-        for n in deployer.model_shard_candidates():
-            deployer.use_model_shards(n)
-            abstract = _abstract(make_batch())
-            self.plan, _ = self._traced_plan(abstract)
-            self._replicated = NamedSharding(deployer.mesh, P())
-            self._compile_steps()
-            needs[n] = self._step_bytes(abstract)
-            if needs[n] <= budget:
-                break
-        else:
-            raise ConfigError(
-                f"n_model_shards='auto': even split over all {n} devices the training step needs "
-                f"{_size(needs[n])} per device, over the budget of {_size(budget)}. Fix: a smaller "
-                "per_device_batch_size, accumulate_grad_batches, compute_dtype=jnp.bfloat16, "
-                "rematerialisation in the model, or more devices.")
-        tried = ", ".join(f"{k} shard(s) {_size(v)}" for k, v in needs.items())
-        deployer.log_info(f"n_model_shards='auto' chose {n} (mesh dp={deployer.n_data_shards} x "
-                          f"mp={n}): per-device memory of the compiled step: {tried}; budget "
-                          f"{_size(budget)}.")
-        self._plan_final = False
-        self._move_to(self.plan)
-
-    def _step_bytes(self, abstract_micro_batch):
-        """Peak bytes per device of the compiled training step (XLA's memory analysis)."""
-        m = self._lowered_train_step(abstract_micro_batch).compile().memory_analysis()
-        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                + m.temp_size_in_bytes)
-
-    def _lowered_train_step(self, abstract_micro_batch):
-        """The training step lowered for the current state shardings and one update's batch."""
-        k = self.accumulate_grad_batches
-        # placed as the real batches will be, so that the call reuses this compilation
-        batch_sharding = NamedSharding(self.deployer.mesh, P("dp") if k == 1 else P(None, "dp"))
-        batch = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape if k == 1 else (k, *x.shape), x.dtype,
-                                           sharding=batch_sharding), abstract_micro_batch)
-        state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                       self._state, self._state_shardings)
-        rng = jax.ShapeDtypeStruct(self._train_rng.shape, self._train_rng.dtype, sharding=self._replicated)
-        return self._train_step.lower(state, batch, rng)
+        else:  # enough for one update on this mesh
+            _updates_per_epoch(len(order), per_device_batch_size, mesh.shape["dp"],
+                               self.accumulate_grad_batches)
+        return BatchMaker(mesh, self.collate_fn, global_batch).make(examples, order[:global_batch])
 
     @property
     def state(self):
@@ -340,39 +210,38 @@ class Trainer:
             raise ConfigError("set_params was given parameters of another structure, shape or "
                               "dtype than trainer.params. Fix: pass a tree shaped like "
                               "trainer.params (build a new Trainer for another model).")
-        params = jax.jit(_copy_tree, out_shardings=self._state_shardings.params)(params)
+        params = jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(params)
         state = self._state.replace(params=params)
         if reset_opt_state:
             state = state.replace(opt_state=jax.jit(
-                state.tx.init, out_shardings=self._state_shardings.opt_state)(params))
+                state.tx.init, out_shardings=self.layout.state_shardings.opt_state)(params))
         self._state = state
 
     def get_default_predictor(self, pred_fn, output_fn=None):
         """A :class:`Predictor` sharing this trainer's collate_fn and parameter placement."""
-        predictor = Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn)
-        predictor.follow_plan_of(self)
-        return predictor
+        return Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn)
 
     def updates_per_epoch(self, n_examples, per_device_batch_size):
         """Optimizer updates in one epoch (the last incomplete batch is dropped)."""
-        per_update = self.deployer.global_batch_size(per_device_batch_size) * self.accumulate_grad_batches
-        n_steps = n_examples // per_update
-        if n_steps == 0:
-            raise ConfigError(
-                f"{n_examples} training examples do not fill one update of {per_update} "
-                f"(per_device_batch_size={per_device_batch_size} x {self.deployer.n_data_shards} "
-                f"data shards x accumulate_grad_batches={self.accumulate_grad_batches}). Fix: use "
-                "a smaller batch size.")
-        return n_steps
+        return _updates_per_epoch(n_examples, per_device_batch_size, self.layout.n_data_shards,
+                                  self.accumulate_grad_batches)
 
     def compile_train_step(self, example_batch):
         """The compiled training step for global batches shaped like ``example_batch`` (a dict
         as ``collate_fn`` returns, with the micro-batch axis first when accumulating): read its
         ``memory_analysis()`` or ``cost_analysis()``, or its collectives with
         ``redcoast.comms.collective_report``. Fixes the sharding plan, as the first batch would."""
-        self._finalize_plan(jax.tree_util.tree_map(
-            lambda x: x[0] if self.accumulate_grad_batches > 1 else x, example_batch))
-        return self._train_step.lower(self._state, _abstract(example_batch), self._train_rng).compile()
+        micro = jax.tree_util.tree_map(lambda x: x[0] if self.accumulate_grad_batches > 1 else x,
+                                       _abstract(example_batch))
+        given = self.layout.n_data_shards  # the mesh the batch was made for
+
+        def batch_for(mesh):  # another mesh ('auto' trying shard counts): the same rows per data shard
+            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+                (x.shape[0] * mesh.shape["dp"] // given, *x.shape[1:]), x.dtype), micro)
+
+        self._settle_layout(batch_for)
+        return lower_train_step(self.layout, self._state, batch_for(self.mesh),
+                                self.accumulate_grad_batches, self._train_rng).compile()
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
               log_every_n_steps=10, start_position=0, after_step=None):
@@ -387,12 +256,16 @@ class Trainer:
         """
         validate.positive_int("log_every_n_steps", log_every_n_steps)
         k = self.accumulate_grad_batches
-        global_batch = self.deployer.global_batch_size(per_device_batch_size)
-        per_update = global_batch * k
         stream = None if is_sequence(examples) else (
             examples if isinstance(examples, Stream) else Stream(examples))
+        order = None if stream is not None else epoch_order(len(examples), self.deployer.jax_seed,
+                                                            epoch, shuffle)
+        # a stream's first examples are read ahead and kept (the skip below may consume them)
+        self._settle_layout(lambda mesh: self._first_batch(examples if stream is None else stream, order,
+                                                           per_device_batch_size, mesh))
+        global_batch = self.global_batch_size(per_device_batch_size)
+        per_update = global_batch * k
         if stream is None:
-            order = epoch_order(len(examples), self.deployer.jax_seed, epoch, shuffle)
             n_steps = self.updates_per_epoch(len(examples), per_device_batch_size)
         else:
             examples, order, n_steps = stream, None, None  # its length is unknown until it ends
@@ -404,10 +277,7 @@ class Trainer:
                     "checkpoint: it is not the stream the interrupted run read. Fix: give the "
                     "same examples in the same order on resume (a function of the epoch or a "
                     "re-iterable that starts the epoch afresh), or resume=False.")
-        self._settle_model_shards(lambda: self._first_batch(examples, order, per_device_batch_size))
-        if not self._plan_final:  # trace the loss on one micro-batch
-            self._finalize_plan(self._first_batch(examples, order, per_device_batch_size))
-        maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch, micro_batches=k)
+        maker = BatchMaker(self.mesh, self.collate_fn, global_batch, micro_batches=k)
         if stream is None:
             batches = prefetch(maker.make(examples, order[i * per_update:(i + 1) * per_update])
                                for i in range(start_position, n_steps))
@@ -420,7 +290,7 @@ class Trainer:
         position = start_position
         try:
             for batch in batches:
-                self._state, metrics = self._train_step(self._state, batch, self._train_rng)
+                self._state, metrics = self.layout.train_step(self._state, batch, self._train_rng)
                 self._host_step += 1
                 position += 1
                 pending.append(metrics)
@@ -442,7 +312,7 @@ class Trainer:
             raise ConfigError(
                 f"train_examples ended after {stream.leftover} examples in epoch {epoch + 1}, "
                 f"fewer than one update of {per_update} (per_device_batch_size="
-                f"{per_device_batch_size} x {self.deployer.n_data_shards} data shards x "
+                f"{per_device_batch_size} x {self.layout.n_data_shards} data shards x "
                 f"accumulate_grad_batches={k}). Fix: use a smaller batch size.")
         return position
 
@@ -483,7 +353,7 @@ class Trainer:
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
         per_example = tokens_per_example(micro)
         device = jax.devices()[0]
-        compiled = self._train_step.lower(self._state, batch, self._train_rng).compile()
+        compiled = self.layout.train_step.lower(self._state, batch, self._train_rng).compile()
         cost = StepCost(examples=examples,
                         tokens=None if per_example is None else per_example * examples,
                         flops_per_device=compiled_flops(compiled),
@@ -496,21 +366,19 @@ class Trainer:
 
     def _evaluate(self, examples, per_device_batch_size, desc=None):
         """Means over examples of the loss and metrics, every example counted exactly once."""
-        def first_batch():
-            global_batch = self.deployer.global_batch_size(per_device_batch_size)
-            return BatchMaker(self.deployer.mesh, self.collate_fn, global_batch).make(
+        def first_batch(mesh):
+            global_batch = per_device_batch_size * mesh.shape["dp"]
+            return BatchMaker(mesh, self.collate_fn, global_batch).make(
                 examples, next(padded_batches(len(examples), global_batch))[0])
 
-        self._settle_model_shards(first_batch)
-        if not self._plan_final:
-            self._finalize_plan(first_batch())
-        global_batch = self.deployer.global_batch_size(per_device_batch_size)
-        maker = BatchMaker(self.deployer.mesh, self.collate_fn, global_batch)
+        self._settle_layout(first_batch)
+        global_batch = self.global_batch_size(per_device_batch_size)
+        maker = BatchMaker(self.mesh, self.collate_fn, global_batch)
         batches = prefetch((maker.make(examples, idx), maker.padding_mask(n_real))
                            for idx, n_real in padded_batches(len(examples), global_batch))
         totals, count = None, 0.0
         for batch, mask in batches:
-            sums, n = self._eval_step(self._state, batch, mask, self._eval_rng)
+            sums, n = self.layout.eval_step(self._state, batch, mask, self._eval_rng)
             totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
             count = count + n
         totals, count = to_host((totals, count))
@@ -540,7 +408,7 @@ class Trainer:
     def _abstract_state(self):
         return jax.tree_util.tree_map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-            self._saved_part(self._state), self._saved_part(self._state_shardings))
+            self._saved_part(self._state), self._saved_part(self.layout.state_shardings))
 
     def save_checkpoint(self, store, epoch, position, config=None):
         """Start saving the full training state to ``store`` (a :class:`CheckpointStore`)."""
@@ -560,8 +428,8 @@ class Trainer:
         arrays, meta = restored
         self._state = self._state.replace(**arrays)
         self._host_step = int(meta["step"])
-        self._train_rng = jax.device_put(key_from_json(meta["train_rng"]), self._replicated)
-        self._eval_rng = jax.device_put(key_from_json(meta["eval_rng"]), self._replicated)
+        self._train_rng = jax.device_put(key_from_json(meta["train_rng"]), self.layout.replicated)
+        self._eval_rng = jax.device_put(key_from_json(meta["eval_rng"]), self.layout.replicated)
         self._best = dict(meta.get("best", {}))
         return meta
 
@@ -616,11 +484,12 @@ class Trainer:
                 "iterator each epoch (e.g. `lambda epoch: my_generator(epoch)`), a re-iterable "
                 "(a list, a datasets.IterableDataset), or n_epochs=1.")
         order = None if streamed else epoch_order(len(first), self.deployer.jax_seed, 0, shuffle)
-        self._settle_model_shards(lambda: self._first_batch(first, order, per_device_batch_size))
+        # the layout first: checkpoints are restored straight into it
+        self._settle_layout(lambda mesh: self._first_batch(first, order, per_device_batch_size, mesh))
         n_steps = None if streamed else self.updates_per_epoch(len(first), per_device_batch_size)
-        config = {"jax_seed": self.deployer.jax_seed, "n_model_shards": self.deployer.n_model_shards,
-                  "n_data_shards": self.deployer.n_data_shards, "n_processes": jax.process_count(),
-                  "global_batch_size": self.deployer.global_batch_size(per_device_batch_size),
+        config = {"jax_seed": self.deployer.jax_seed, "n_model_shards": self.layout.n_model_shards,
+                  "n_data_shards": self.layout.n_data_shards, "n_processes": jax.process_count(),
+                  "global_batch_size": self.global_batch_size(per_device_batch_size),
                   "accumulate_grad_batches": self.accumulate_grad_batches,
                   "train_size": None if streamed else len(first), "n_epochs": n_epochs,
                   "max_steps": max_steps, "shuffle": shuffle,
@@ -829,23 +698,24 @@ def _nonfinite_message(step, value):
             "(optax.clip_by_global_norm), or check that step's batch for bad values.")
 
 
+def _updates_per_epoch(n_examples, per_device_batch_size, n_data_shards, accumulate_grad_batches):
+    per_update = per_device_batch_size * n_data_shards * accumulate_grad_batches
+    if n_examples < per_update:
+        raise ConfigError(
+            f"{n_examples} training examples do not fill one update of {per_update} "
+            f"(per_device_batch_size={per_device_batch_size} x {n_data_shards} data shards x "
+            f"accumulate_grad_batches={accumulate_grad_batches}). Fix: use a smaller batch size.")
+    return n_examples // per_update
+
+
 def _describe_nonfinite(history):
     losses = [float(m["loss"]) for m in history]
     bad = [x for x in losses if not math.isfinite(x)]
     return str(bad[0]) if bad else "NaN or inf"
 
 
-def _placed_on(tree, mesh):
-    return all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
-               for x in jax.tree_util.tree_leaves(tree))
-
-
 def _abstract(tree):
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-
-
-def _size(n):
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(getattr(x, "shape", None) or np.shape(x), x.dtype), tree)
 
 
 def _copy_tree(tree):

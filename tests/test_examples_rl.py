@@ -62,7 +62,7 @@ def test_set_params_replaces_params_and_optimizer_state_without_recompiling():
                  "y": rng.normal(size=2).astype(np.float32)} for _ in range(64)]
     trainer = _linear_trainer()
     trainer.train(examples, per_device_batch_size=4)
-    compiled = trainer._train_step._cache_size()
+    compiled = trainer.layout.train_step._cache_size()
     new = {"w": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)}
     trainer.set_params(new)
     np.testing.assert_array_equal(np.asarray(trainer.params["w"]), np.asarray(new["w"]))
@@ -71,7 +71,7 @@ def test_set_params_replaces_params_and_optimizer_state_without_recompiling():
                          jax.tree_util.tree_leaves(fresh)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     trainer.train(examples, per_device_batch_size=4, epoch=1)
-    assert trainer._train_step._cache_size() == compiled  # the same compiled step
+    assert trainer.layout.train_step._cache_size() == compiled  # the same compiled step
     assert np.asarray(new["w"]).shape == (4, 2)  # the caller's arrays were not donated
     kept = jax.tree_util.tree_map(np.asarray, trainer.state.opt_state)
     trainer.set_params(trainer.params, reset_opt_state=False)

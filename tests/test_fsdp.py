@@ -241,7 +241,7 @@ def test_fsdp_adds_only_weight_gathers_to_the_compiled_step():
 
 
 def test_layout_choice_takes_the_cheapest_that_fits_and_prefers_memory_on_a_tie():
-    from redcoast.layout import Estimate, choose
+    from redcoast.cost_model import Estimate, choose
 
     def est(mib, seconds):
         return Estimate(mib * 2**20, 0.0, 0.0, 0, 0.0, seconds)

@@ -49,3 +49,32 @@ def test_generation_with_trained_params_via_trainer(deployer):
     outputs = predictor.predict(make_examples(5), 1, trainer.params)
     assert len(outputs) == 5 and outputs[0].shape == (12,)
     assert np.issubdtype(outputs[0].dtype, np.integer)
+
+
+def test_laid_out_params_are_used_where_they_are_on_their_own_mesh():
+    # the Predictor reads the placement from the arrays it is given (no link to a Trainer): the
+    # same parameters laid out on 4 model shards (FSDP-split over 'dp' where large) and as host
+    # arrays give the same outputs, each on its own mesh, each with its own compiled step
+    import jax
+    import optax
+    from redcoast import Trainer
+    from tiny_lm import loss_fn
+    model, params = make_model()
+    trainer = Trainer(Deployer(n_model_shards=4, verbose=False), collate_fn, model.apply, loss_fn,
+                      params, optax.sgd(0.0), fsdp=True)
+    trainer.fit(make_examples(8), per_device_batch_size=4, n_epochs=1)  # settles the layout
+    placed = trainer.params
+    predictor = Predictor(Deployer(n_model_shards=1, verbose=False), collate_fn,
+                          lambda rng, p, b: model.apply({"params": p}, b["ids"][:, :-1]).argmax(-1))
+    examples = make_examples(6)
+    on_trainer_mesh = predictor.predict(examples, 1, placed)  # 2 data shards: 2 per batch
+    host = predictor.predict(examples, 1, jax.device_get(placed))  # 8 data shards
+    np.testing.assert_array_equal(np.stack(on_trainer_mesh), np.stack(host))
+    # stored split over 'dp' as FSDP does (every leaf whose first axis 'dp' divides): gathered where used
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = trainer.mesh
+    split = jax.tree_util.tree_map(lambda x: jax.device_put(x, NamedSharding(
+        mesh, P("dp") if x.ndim and x.shape[0] % 2 == 0 else P())), jax.device_get(placed))
+    np.testing.assert_array_equal(np.stack(predictor.predict(examples, 1, split)), np.stack(host))
+    meshes = [mesh for mesh, _, _ in predictor._compiled.values()]
+    assert [dict(m.shape) for m in meshes] == [{"dp": 2, "mp": 4}, {"dp": 8, "mp": 1}, {"dp": 2, "mp": 4}]

@@ -76,7 +76,7 @@ def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projec
 def test_left_to_choose_fusion_is_decided_by_the_compiled_steps_estimates():
     # fuse_matmuls=None: both steps are compiled and the one the cost model (layout.py) finds
     # cheaper is kept; checked against the two steps compiled with fusion forced on and off
-    from redcoast.layout import estimate
+    from redcoast.cost_model import estimate
 
     def trainer(fuse):
         deployer = Deployer(n_model_shards=4, verbose=False)

@@ -89,7 +89,7 @@ class Trainer(core.Trainer):
 
     def _set_opt_state(self, opt_state):
         try:
-            placed = jax.device_put(opt_state, self._state_shardings.opt_state)
+            placed = jax.device_put(opt_state, self.layout.state_shardings.opt_state)
         except ValueError as e:
             raise ConfigError(f"opt_state does not match the optimizer's state for these "
                               f"parameters ({e}). Fix: pass the state of this optimizer, or "
@@ -99,7 +99,7 @@ class Trainer(core.Trainer):
     def _set_step(self, step):
         self._host_step = step
         self._state = self._state.replace(
-            step=jax.device_put(jnp.asarray(step, jnp.int32), self._replicated))
+            step=jax.device_put(jnp.asarray(step, jnp.int32), self.layout.replicated))
 
     # ------------------------------------------------------------------ redco's methods
 
@@ -138,13 +138,7 @@ class Trainer(core.Trainer):
                 f.write(ckpt_name)
 
     def get_default_predictor(self, pred_fn, output_fn=None):
-        predictor = Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn)
-        predictor.follow_plan_of(self)
-        return predictor
-
-    @property
-    def mesh(self):
-        return self.deployer.mesh
+        return Predictor(self.deployer, self.collate_fn, pred_fn, output_fn=output_fn)
 
     @property
     def workdir(self):
