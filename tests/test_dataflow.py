@@ -12,7 +12,7 @@ from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes
 from redcoast.sharding.grouped_axes import named_sharding
 from redcoast.sharding.paths import path_to_tuple
 
-from architectures import ARCHITECTURES, B, H, HD, T, gqa, moe, mqa, plain_jax, scan_stacked, transposed
+from architectures import ARCHITECTURES, B, F, H, HD, T, gqa, moe, mqa, plain_jax, scan_stacked, transposed
 
 LR = 0.1
 
@@ -371,3 +371,30 @@ def test_a_projected_embedding_does_not_replicate_the_layers_after_it():
         assert got[layer + name + "/kernel"] == P(None, "mp"), name
     for name in ("self_attn/out_proj", "fc2"):
         assert got[layer + name + "/kernel"] == P("mp"), name
+
+
+def _same_shape_siblings():
+    """Three matmuls of one input: ``a`` (H, F) and ``c`` (H, 2F) split over the shards along
+    their outputs, ``b`` of ``a``'s shape replicated."""
+    from redcoast.sharding.rules import Placement
+
+    rng = np.random.default_rng(0)
+    params = {name: (rng.standard_normal(shape) * 0.2).astype(np.float32)
+              for name, shape in (("a", (H, F)), ("b", (H, F)), ("c", (H, 2 * F)))}
+    specs = {"a": P(None, "mp"), "b": P(), "c": P(None, "mp")}
+    placements = [Placement((k,), params[k].shape, np.float32, specs[k], "test") for k in sorted(params)]
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["a"]) * (x @ p["b"])) + jnp.sum((x @ p["c"]) ** 2)
+
+    return params, placements, loss, rng.standard_normal((B, H)).astype(np.float32)
+
+
+@pytest.mark.xfail(strict=True, reason="weights identified by (shape, axis): b is taken for a")
+def test_only_the_split_weight_of_two_with_one_shape_is_fused():
+    # a and c (split) run as one matmul concatenated block-wise; b, replicated, stays apart
+    params, placements, loss, x = _same_shape_siblings()
+    fused = fuse_sibling_matmuls(loss, 2, split_weight_axes(placements), mesh_for(2))
+    dots = [e for e in jax.make_jaxpr(fused)(params, x).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert sorted(tuple(e.outvars[0].aval.shape) for e in dots) == [(B, 2, 3 * F // 2), (B, F)]
+    np.testing.assert_allclose(fused(params, x), loss(params, x), rtol=1e-5)
