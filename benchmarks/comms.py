@@ -28,9 +28,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 from architectures import ARCHITECTURES, B  # noqa: E402
 from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
 from redcoast.sharding.dataflow import dataflow_placements  # noqa: E402
-from redcoast.sharding.fusion import fuse_sibling_matmuls, split_weight_axes  # noqa: E402
+from redcoast.sharding.fusion import fuse_sibling_matmuls  # noqa: E402
 from redcoast.sharding.grouped_axes import named_sharding  # noqa: E402
 from redcoast.sharding.paths import path_to_tuple  # noqa: E402
+from redcoast.sharding.rewrite_plan import RewritePlan  # noqa: E402
 
 
 def compiled_step(arch, n, mesh, fuse=False):
@@ -40,7 +41,7 @@ def compiled_step(arch, n, mesh, fuse=False):
     shardings = jax.tree_util.tree_map_with_path(
         lambda kp, _: named_sharding(mesh, by_path[path_to_tuple(kp)]), arch.params)
 
-    loss = fuse_sibling_matmuls(arch.loss, n, split_weight_axes(placements), mesh) if fuse else arch.loss
+    loss = fuse_sibling_matmuls(arch.loss, RewritePlan.from_placements(placements, mesh)) if fuse else arch.loss
 
     def step(params, batch):
         grads = jax.grad(loss)(params, batch)

@@ -23,7 +23,7 @@ from .errors import ConfigError
 from .sharding import ShardingPlan
 from .sharding.context import laid_out_for
 from .sharding.dataflow import traced_placements
-from .sharding.fusion import split_weight_axes
+from .sharding.rewrite_plan import RewritePlan
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
 
@@ -157,8 +157,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     step_fn = recipe.train_step_fn or make_train_step(
         loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
         grad_shardings=state_shardings.params,
-        fuse_for_model_shards=n if candidate.fuse_matmuls else None,
-        split_weights=split_weight_axes(plan.compute_placements), mesh=mesh,
+        rewrite_plan=RewritePlan.from_sharding_plan(plan) if candidate.fuse_matmuls else None,
         compute_shardings=plan.compute_shardings(), log_grad_norm=recipe.log_grad_norm)
     rows = NamedSharding(mesh, P("dp"))
     batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, "dp"))

@@ -85,18 +85,17 @@ def with_frozen_cast(state, compute_dtype):
 
 
 def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
-                    fuse_for_model_shards=None, split_weights=None, mesh=None,
-                    compute_shardings=None, log_grad_norm=False):
+                    rewrite_plan=None, compute_shardings=None, log_grad_norm=False):
     """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
 
     With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
     the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
-    the first step whose loss was not finite. ``fuse_for_model_shards`` (the number of model
-    shards, when > 1) runs the loss with sibling matmuls (Q/K/V, gate/up: one input) fused into
-    one, so that under tensor parallelism the backward pass all-reduces their input gradient
-    once, as Megatron-LM does; ``split_weights`` (from ``split_weight_axes(plan.placements)``)
-    limits that to the weights the plan splits; ``mesh`` lets the rewrite pin the gates of split
-    MoE experts replicated. ``compute_shardings`` (``plan.compute_shardings()``): where the loss
+    the first step whose loss was not finite. ``rewrite_plan`` (a ``RewritePlan`` of the
+    parameters' plan, sharding/rewrite_plan.py; used with more than one model shard) runs the
+    loss with sibling matmuls (Q/K/V, gate/up: one input) of the weights the plan splits fused
+    into one, so that under tensor parallelism the backward pass all-reduces their input
+    gradient once, as Megatron-LM does (and the other rewrites of sharding/fusion.py).
+    ``compute_shardings`` (``plan.compute_shardings()``): where the loss
     uses each parameter (see :func:`gathered`). ``log_grad_norm``
     adds the global norm of the (averaged) gradient to the metrics as ``grad_norm``.
     """
@@ -106,10 +105,10 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
 
     def loss_and_grad(state, params, batch, rng):
         def objective(p):
-            if fuse_for_model_shards and fuse_for_model_shards > 1:
+            if rewrite_plan is not None and rewrite_plan.blocks > 1:
                 try:
                     fused = fuse_sibling_matmuls(lambda p_, b_, r_: training_loss(p_, b_, r_, state),
-                                                 fuse_for_model_shards, split_weights, mesh)
+                                                 rewrite_plan)
                     return split_loss_output(fused(p, batch, rng))
                 except LossError:
                     raise

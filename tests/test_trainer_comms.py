@@ -97,7 +97,7 @@ def test_left_to_choose_fusion_is_decided_by_the_compiled_steps_estimates():
 def test_a_loss_the_fusion_cannot_run_trains_as_written_with_a_warning(monkeypatch):
     import redcoast.steps
 
-    def broken(fn, *args, **kwargs):
+    def broken(fn, plan):
         raise NotImplementedError("an op the rewrite does not know")
 
     want = _trainer_step(plain_jax, 2, 2)[0]  # compiled with fusion

@@ -18,43 +18,36 @@ summation order) bring that down to Megatron's count:
   stream the looked-up rows join.
 """
 
-import contextvars
 import string
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from . import kv_repeat
-from .dataflow import MP
-from .grouped_axes import parse as parse_grouped
+from . import kv_repeat, weight_origins
 from .jaxpr_tools import output_axes, read_once, readers
+from .paths import leaves_with_paths
+from .rewrite_plan import RewritePlan, WeightSplit
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 
 
-# Model shards the fused matmuls are laid out for (set while a fused function is traced): matmuls
-# of different output widths are concatenated shard-block by shard-block, so that each device's
-# slice of the fused weight is made of its slices of the separate ones.
-_BLOCKS = contextvars.ContextVar("redcoast_fusion_blocks", default=1)
-# (shape, axis) of the weights the plan splits over the model shards ((shape, axis, groups) over
-# groups of them), or None (unknown: fuse every group). A matmul is fused only if its weight is
-# split along a free axis: fusing replicated weights makes XLA move more (measured: GQA with K/V
-# replicated, 1.08x -> 1.21x).
-_SPLIT = contextvars.ContextVar("redcoast_fusion_split", default=None)
-# The mesh the fused function runs on, when known: replicated activations that gate a split
-# matmul's output are pinned replicated on it (else XLA may split the router of an MoE).
-_MESH = contextvars.ContextVar("redcoast_fusion_mesh", default=None)
+def _split_along(plan, origins, v, axes):
+    """Whether ``v`` is a weight the plan splits over the model shards along one of ``axes``:
+    a parameter (or a view of one, weight_origins.py) whose placement splits that axis; with the
+    plan unknown, any operand. A matmul is fused only if its weight is split along a free axis:
+    fusing replicated weights makes XLA move more (measured: GQA with K/V replicated, 1.08x ->
+    1.21x)."""
+    if not plan.knows_placements:
+        return True
+    origin = weight_origins.of(origins, v)
+    return origin is not None and origin.split_along(axes)
 
 
-def _split_along(shape, axes):
-    split = _SPLIT.get()
-    return split is None or any((shape, a) in split for a in axes)
-
-
-def _split_by_groups(shape, axis):
-    """Whether the plan splits a weight of ``shape`` along ``axis`` over groups of shards."""
-    return any(len(s) == 3 and s[:2] == (shape, axis) for s in _SPLIT.get() or ())
+def _split_by_groups(origins, v, axis):
+    """Whether the plan splits weight ``v`` along ``axis`` over groups of the model shards."""
+    origin = weight_origins.of(origins, v)
+    return origin is not None and origin.split_by_groups(axis)
 
 
 def _free_axes(eqn, side):
@@ -65,11 +58,13 @@ def _free_axes(eqn, side):
     return [d for d in range(len(other.aval.shape)) if d not in bound]
 
 
-def _sibling_key(eqn, blocks):
+def _sibling_key(eqn, plan, origins):
     """Matmuls that share one operand (the same variable, same side, same dimension numbers) can
     run as one matmul: over the stacked others when those have one shape, or (with ``blocks``
     model shards) over the others concatenated block-wise along a free axis (the heads of a
-    grouped-query Q beside K and V) whose size ``blocks`` divides in each."""
+    grouped-query Q beside K and V) whose size ``blocks`` divides in each. Only weights the
+    plan splits along that axis (``origins``: which variables carry which parameter)."""
+    blocks = plan.blocks
     if eqn.primitive.name != "dot_general":
         return None
     a, b = eqn.invars
@@ -78,21 +73,21 @@ def _sibling_key(eqn, blocks):
         if isinstance(shared, jcore.Var) and isinstance(other, jcore.Var):
             shape, dtype = tuple(other.aval.shape), str(other.aval.dtype)
             free_axes = _free_axes(eqn, side)
-            if _split_along(shape, free_axes):
+            if _split_along(plan, origins, other, free_axes):
                 yield ("stack", id(shared), side, params, shape, dtype)
             for free in (free_axes if blocks > 1 else ()):
-                if shape[free] % blocks == 0 and _split_along(shape, [free]):
+                if shape[free] % blocks == 0 and _split_along(plan, origins, other, [free]):
                     masked = shape[:free] + (None,) + shape[free + 1:]
                     yield ("concat", id(shared), side, params, masked, dtype, free)
 
 
-def _groups(jaxpr, blocks=1):
+def _groups(jaxpr, plan, origins):
     """{eqn index: (group eqn indices, side, how)} for sibling matmuls of one jaxpr (groups of
     2+); ``how`` is "stack" or the free axis to concatenate along. The largest groups win;
     among equal ones, stacking (one shape) before concatenating."""
     by_key = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        for key in _sibling_key(eqn, blocks) or ():
+        for key in _sibling_key(eqn, plan, origins) or ():
             by_key.setdefault(key, []).append(i)
     taken, out = set(), {}
     for key, members in sorted(by_key.items(), key=lambda kv: (-len(kv[1]), kv[0][0] != "stack")):
@@ -117,7 +112,7 @@ def _dot_labels(eqn, lhs, rhs):
     return list(lhs), rhs, out
 
 
-def _partial_chains(jaxpr, groups):
+def _partial_chains(jaxpr, groups, plan, origins):
     """{index of a contraction: (index of the row-parallel matmul feeding it, index of the
     transpose between them or None, side of the weight)}.
 
@@ -129,7 +124,7 @@ def _partial_chains(jaxpr, groups):
     remains. Only when the weights the plan splits are known, and never when it would build an
     operand larger than the tensors it replaces.
     """
-    if _SPLIT.get() is None:
+    if not plan.knows_placements:
         return {}
     uses, producer = readers(jaxpr), {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     out = {}
@@ -137,14 +132,14 @@ def _partial_chains(jaxpr, groups):
         if eqn.primitive.name != "dot_general":
             continue
         for side2, v in enumerate(eqn.invars):
-            chain = _row_parallel_source(jaxpr, v, uses, producer, groups)
+            chain = _row_parallel_source(jaxpr, v, uses, producer, groups, plan, origins)
             if chain is not None and _reassociation(jaxpr, k, side2, *chain) is not None:
                 out[k] = (side2, *chain)
                 break
     return out
 
 
-def _row_parallel_source(jaxpr, v, uses, producer, groups):
+def _row_parallel_source(jaxpr, v, uses, producer, groups, plan, origins):
     """(matmul index, transpose index or None, weight side) when ``v`` is read once and is the
     output (possibly transposed once) of a matmul contracting a split weight."""
     if not isinstance(v, jcore.Var) or not read_once(v, uses) or v not in producer:
@@ -161,7 +156,7 @@ def _row_parallel_source(jaxpr, v, uses, producer, groups):
     (lc, rc), _ = eqn.params["dimension_numbers"]
     for side, contract in ((0, lc), (1, rc)):
         w = eqn.invars[side]
-        if isinstance(w, jcore.Var) and contract and _split_along(tuple(w.aval.shape), contract):
+        if isinstance(w, jcore.Var) and contract and _split_along(plan, origins, w, contract):
             return i, t, side
     return None
 
@@ -195,12 +190,12 @@ def _reassociation(jaxpr, k, side2, i, t, wside):
             a, other, w)
 
 
-def _gate_operands(jaxpr):
+def _gate_operands(jaxpr, plan, origins):
     """{index of a contraction: side of its operand to pin replicated}: contractions over the
     split axis of a column-split matmul's output (experts of an MoE weighted by their gates),
     whose other operand is an activation the plan keeps replicated. Pinned, XLA slices it locally
     instead of splitting the computation that made it (the router's softmax and top-k)."""
-    if _MESH.get() is None or _SPLIT.get() is None:
+    if plan.mesh is None or not plan.knows_placements:
         return {}
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     out = {}
@@ -209,7 +204,7 @@ def _gate_operands(jaxpr):
             continue
         (lc, rc), _ = eqn.params["dimension_numbers"]
         for side, contract in ((0, lc), (1, rc)):
-            axes = _split_output_axes(jaxpr, eqn.invars[side], producer)
+            axes = _split_output_axes(jaxpr, eqn.invars[side], producer, plan, origins)
             other = eqn.invars[1 - side]
             made_by = jaxpr.eqns[producer[other]].primitive.name if other in producer else None
             if axes & set(contract) and isinstance(other, jcore.Var) and made_by not in (None, "dot_general"):
@@ -217,7 +212,7 @@ def _gate_operands(jaxpr):
     return out
 
 
-def _hidden_split_tables(jaxpr):
+def _hidden_split_tables(jaxpr, plan, origins):
     """Pins for tables the plan splits along the axis a lookup keeps whole (the hidden axis:
     dataflow.py splits it when the vocabulary does not divide the shards). Left to XLA, that
     split spreads into the residual stream, from the looked-up rows forward and from a tied LM
@@ -227,7 +222,7 @@ def _hidden_split_tables(jaxpr):
     {index of a gather by data-dependent indices: output axes to gather whole right away} and
     {index of a matmul contracting such a table's split axis: (side of the other operand, its
     contracted axes to keep whole, so that each shard slices it locally)}."""
-    if _MESH.get() is None or _SPLIT.get() is None:
+    if plan.mesh is None or not plan.knows_placements:
         return {}, {}
     data = set(jaxpr.invars)  # values that depend on the function's inputs, not constants
     tables = {}  # a split table, or a cast or transpose of it -> its split axis
@@ -244,7 +239,7 @@ def _hidden_split_tables(jaxpr):
             kept = [a for a in range(len(shape)) if a not in collapsed]  # -> dn.offset_dims
             whole = [(a, o) for a, o in zip(kept, dn.offset_dims)
                      if sizes[a] == shape[a] and a not in dn.start_index_map
-                     and (shape, a) in _SPLIT.get()]
+                     and _split_along(plan, origins, table, [a])]
             if whole:
                 lookups[i] = tuple(o for _, o in whole)
                 tables[table] = whole[0][0]
@@ -261,7 +256,7 @@ def _hidden_split_tables(jaxpr):
     return lookups, reads
 
 
-def _split_output_axes(jaxpr, v, producer):
+def _split_output_axes(jaxpr, v, producer, plan, origins):
     """Axes of ``v`` that are a split weight's batch or free axis carried through its matmul
     (possibly transposed once)."""
     if not isinstance(v, jcore.Var) or v not in producer:
@@ -274,25 +269,29 @@ def _split_output_axes(jaxpr, v, producer):
         return set()
     operands = eqn.invars
     axes = {o for (side, d), o in output_axes(eqn).items()
-            if isinstance(operands[side], jcore.Var) and _split_along(tuple(operands[side].aval.shape), [d])}
+            if isinstance(operands[side], jcore.Var) and _split_along(plan, origins, operands[side], [d])}
     return {perm.index(o) for o in axes} if perm is not None else axes
 
 
-def _eval_fused(jaxpr, consts, args):
+def _eval_fused(jaxpr, consts, args, plan, arg_origins):
     """Evaluate ``jaxpr`` with jit calls inlined and sibling matmuls fused (demand-driven, so
-    that every stacked operand is computed before the one matmul that uses them all)."""
-    jaxpr = _inline(jaxpr, consts)
-    if _BLOCKS.get() > 1 and _SPLIT.get() is not None:
-        jaxpr = _hoist_kv_repeats(jaxpr)
+    that every stacked operand is computed before the one matmul that uses them all), under
+    ``plan``; ``arg_origins``: the parameter each of ``args`` carries, or None (weight_origins)."""
+    jaxpr = _inline(jaxpr, consts)  # same invars, in the same order
+    origins = weight_origins.propagate(jaxpr, arg_origins)
+    if plan.blocks > 1 and plan.knows_placements:
+        jaxpr, made = _hoist_kv_repeats(jaxpr, plan, origins)
+        origins = weight_origins.propagate(jaxpr, arg_origins)
+        origins.update(made)
     env = dict(jaxpr.const_env)
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    blocks = _BLOCKS.get()
-    groups = _groups(jaxpr, blocks)
-    chains = _partial_chains(jaxpr, groups)
-    gates = _gate_operands(jaxpr)
-    lookups, table_reads = _hidden_split_tables(jaxpr)
+    blocks = plan.blocks
+    groups = _groups(jaxpr, plan, origins)
+    chains = _partial_chains(jaxpr, groups, plan, origins)
+    gates = _gate_operands(jaxpr, plan, origins)
+    lookups, table_reads = _hidden_split_tables(jaxpr, plan, origins)
     # the matmul (and transpose) a chain replaces: computed inside the chain, never on their own
     done = {j for _, i, t, _ in chains.values() for j in (i, t) if j is not None}
 
@@ -322,10 +321,10 @@ def _eval_fused(jaxpr, consts, args):
         for pins in (gates, table_reads):
             if i in pins:
                 side, axes = pins[i]
-                vals[side] = _replicated(vals[side], axes)
-        outs = _bind(eqn, vals)
+                vals[side] = _replicated(vals[side], axes, plan.mesh)
+        outs = _bind(eqn, vals, plan, [weight_origins.of(origins, v) for v in eqn.invars])
         if i in lookups:
-            outs = [_replicated(outs[0], lookups[i])]
+            outs = [_replicated(outs[0], lookups[i], plan.mesh)]
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
 
@@ -366,7 +365,7 @@ def _eval_fused(jaxpr, consts, args):
         gate_spec, dot_spec, a, other, w = _reassociation(jaxpr, k, side2, i, t, wside)
         first, second = jaxpr.eqns[i], jaxpr.eqns[k]
         g = read(other)
-        x = jax.numpy.einsum(gate_spec, read(a), _replicated(g, gates[k][1]) if k in gates else g)
+        x = jax.numpy.einsum(gate_spec, read(a), _replicated(g, gates[k][1], plan.mesh) if k in gates else g)
         y = jax.numpy.einsum(dot_spec, x, read(w), precision=first.params.get("precision"),
                              preferred_element_type=second.outvars[0].aval.dtype)
         env[second.outvars[0]] = y.astype(second.outvars[0].aval.dtype)
@@ -376,53 +375,69 @@ def _eval_fused(jaxpr, consts, args):
     return [read(v) for v in jaxpr.outvars]
 
 
-def _hoist_kv_repeats(jaxpr):
-    """``jaxpr`` (flat, bound) with grouped-query K/V repeats moved in front of their
-    replicated projections (kv_repeat.py), retraced; unchanged when there is none."""
-    found = {v: plan for v, plan in kv_repeat.find_repeats(jaxpr, _split_along) if _hoisting_pays(plan)}
+def _hoist_kv_repeats(jaxpr, plan, origins):
+    """``(jaxpr, origins of the weights it made)``: ``jaxpr`` (flat, bound) with grouped-query
+    K/V repeats moved in front of their replicated projections (kv_repeat.py), retraced, and
+    {variable of each repeated weight: its origin}. A repeated weight has the query heads' shape
+    and is split like them (each shard computes its heads' slice from the whole K/V weight), so
+    it joins Q's fused matmul. Unchanged (and no origins) when there is nothing to hoist."""
+    is_split = lambda v, axes: _split_along(plan, origins, v, axes)  # noqa: E731
+    found = {v: r for v, r in kv_repeat.find_repeats(jaxpr, is_split) if _hoisting_pays(r, plan, origins)}
     if not found:
-        return jaxpr
-    skip = {id(e) for plan in found.values() for e in plan["absorbed"]}
+        return jaxpr, {}
+    skip = {id(e) for r in found.values() for e in r["absorbed"]}
+    repeats = list(found.items())
 
     def run(*args):
         env = dict(jaxpr.const_env)
         env.update(zip(jaxpr.invars, args))
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+        weights = {}
         for eqn in jaxpr.eqns:
             if eqn.outvars[0] in found:
-                env[eqn.outvars[0]] = kv_repeat.replay(found[eqn.outvars[0]], read, _bind_with)
+                env[eqn.outvars[0]], weights[eqn.outvars[0]] = kv_repeat.replay(
+                    found[eqn.outvars[0]], read, _bind_with)
             elif id(eqn) not in skip:
-                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars], fuse_bodies=False)))
-        return [read(v) for v in jaxpr.outvars]
+                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+        # the repeated weights are returned too, to find their variables in the retraced jaxpr
+        return [read(v) for v in jaxpr.outvars] + [weights[v] for v, _ in repeats]
 
     closed = jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
-    return _Bound(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)))
+    n_out = len(jaxpr.outvars)
+    made = {}
+    for (_, r), w in zip(repeats, closed.jaxpr.outvars[n_out:]):
+        source = weight_origins.of(origins, r["dot"].invars[r["weight_side"]])
+        path = source.weight.path if source is not None else ("(a K/V weight)",)
+        split = WeightSplit(path + ("repeated per query head",), tuple(w.aval.shape), ((r["weight_axis"], None),))
+        made[w] = weight_origins.Origin(split, tuple(range(w.aval.ndim)))
+    flat = closed.jaxpr.replace(outvars=closed.jaxpr.outvars[:n_out])
+    return _Bound(flat, dict(zip(flat.constvars, closed.consts))), made
 
 
-def _replicated(x, axes):
-    """``x`` pinned whole along ``axes``; its other axes (the batch) left to XLA."""
+def _replicated(x, axes, mesh):
+    """``x`` pinned whole along ``axes`` on ``mesh``; its other axes (the batch) left to XLA."""
     P = jax.sharding.PartitionSpec
     spec = P(*[None if d in axes else P.UNCONSTRAINED for d in range(x.ndim)])
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(_MESH.get(), spec))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
-def _hoisting_pays(plan):
+def _hoisting_pays(repeat, plan, origins):
     """Whether summing the K/V weight gradient over the shards moves fewer bytes than summing
     K/V's activation gradient: tokens per device against the weight's input features (measured
     on benchmarks/comms.py's gqa and mqa: the better choice in each of the six cases). Always
     for a weight split over groups of shards: as written, XLA sums K/V's gradient repeated per
     query head within the group (measured: gqa on 4 shards, 16 tokens per device, 1.375x vs
-    1.083x hoisted)."""
-    dot, side = plan["dot"], plan["weight_side"]
+    1.083x hoisted). ``repeat``: from kv_repeat.find_repeats; the data-parallel size is the
+    plan's."""
+    dot, side = repeat["dot"], repeat["weight_side"]
     (lc, rc), _ = dot.params["dimension_numbers"]
     x, w = dot.invars[1 - side], dot.invars[side]
-    if _split_by_groups(tuple(w.aval.shape), plan["weight_axis"]):
+    if _split_by_groups(origins, w, repeat["weight_axis"]):
         return True
     x_contract, w_contract = (rc, lc) if side == 0 else (lc, rc)
     tokens = np.prod(x.aval.shape) / np.prod([x.aval.shape[d] for d in x_contract])
     rows = np.prod([w.aval.shape[d] for d in w_contract])
-    data_shards = max(1, jax.device_count() // _BLOCKS.get())  # the traced batch is global
-    return tokens / data_shards >= rows
+    return tokens / max(1, plan.data_shards) >= rows  # the traced batch is global
 
 
 def _bind_with(eqn, vals, params):
@@ -454,22 +469,23 @@ def _free_output_start(eqn, side, shared_ndim):
     return len(lb) + (shared_ndim - len(lc) - len(lb)) if side == 0 else len(lb)
 
 
-def _bind(eqn, vals, fuse_bodies=True):
-    """Run ``eqn`` on ``vals``; with ``fuse_bodies``, the bodies of remat and scan equations are
-    run through the rewrites too (only the final pass does: inlining and the K/V retrace keep
-    them as they are, so each body is rewritten once)."""
+def _bind(eqn, vals, plan=None, in_origins=None):
+    """Run ``eqn`` on ``vals``; given the ``plan`` (and the origins of the operands,
+    weight_origins.py), the bodies of remat and scan equations are run through the rewrites too
+    (only the final pass does: inlining and the K/V retrace keep them as they are, so each body
+    is rewritten once)."""
     name = eqn.primitive.name
     params = dict(eqn.params)
-    if fuse_bodies and name in ("checkpoint", "remat", "remat2") \
+    if plan is not None and name in ("checkpoint", "remat", "remat2") \
             and isinstance(params.get("jaxpr"), jcore.Jaxpr) and not params["jaxpr"].constvars:
         # a rematerialised body (jax.checkpoint, nnx.remat): fused inside, still rematerialised
         body = params["jaxpr"]
-        run = jax.checkpoint(lambda *a: _eval_fused(body, (), a), prevent_cse=params["prevent_cse"],
-                             policy=params["policy"])
+        run = jax.checkpoint(lambda *a: _eval_fused(body, (), a, plan, in_origins),
+                             prevent_cse=params["prevent_cse"], policy=params["policy"])
         with eqn.ctx.manager:
             return list(run(*vals))
-    if fuse_bodies and name == "scan":
-        params["jaxpr"] = _fused_closed(params["jaxpr"])
+    if plan is not None and name == "scan":  # a stacked weight's body input: one layer's slice
+        params["jaxpr"] = _fused_closed(params["jaxpr"], plan, weight_origins.scan_body(eqn, in_origins))
     bind_params = eqn.primitive.get_bind_params(params)  # as jax.core.eval_jaxpr does
     if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
         subfuns, bind_params = bind_params
@@ -479,10 +495,10 @@ def _bind(eqn, vals, fuse_bodies=True):
     return outs if eqn.primitive.multiple_results else [outs]
 
 
-def _fused_closed(closed):
+def _fused_closed(closed, plan, in_origins):
     """The same ClosedJaxpr with sibling matmuls fused (for scan bodies: stacked layers)."""
     avals = [v.aval for v in closed.jaxpr.invars]
-    fn = lambda *a: _eval_fused(closed.jaxpr, closed.consts, a)
+    fn = lambda *a: _eval_fused(closed.jaxpr, closed.consts, a, plan, in_origins)  # noqa: E731
     return jax.make_jaxpr(fn)(*avals)
 
 
@@ -511,59 +527,37 @@ def _eval_inline(jaxpr, consts, args):
             sub = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
             outs = _eval_inline(sub.jaxpr, sub.consts, vals) if hasattr(sub, "jaxpr") else _eval_inline(sub, (), vals)
         else:
-            outs = _bind(eqn, vals, fuse_bodies=False)
+            outs = _bind(eqn, vals)
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def fuse_sibling_matmuls(fn, n_model_shards=1, split_weights=None, mesh=None):
+def fuse_sibling_matmuls(fn, plan=RewritePlan()):
     """``fn`` with matmuls that share an input run as one matmul over stacked weights.
 
     Under a tensor-parallel plan, Q, K and V (or gate and up) computed as separate matmuls of the
     same input make XLA all-reduce each partial input gradient separately in the backward pass;
     stacked, the input gradient is summed locally and all-reduced once, as Megatron-LM does. The
     result is the same function (up to floating-point summation order); weights stay separate.
-    With ``n_model_shards`` > 1, weights of different output widths (grouped-query Q beside K/V)
-    are fused too, concatenated block by block so that a split of each weight's output axis over
-    that many shards stays a local slice of the fused one. ``split_weights``: the (shape, axis)
-    pairs of the weights the plan splits (see :func:`split_weight_axes`); only matmuls with such a
-    weight, split along an output axis, are fused. None fuses every group and applies none of the
-    other rewrites, which need to know the plan. ``mesh``: the mesh the function runs on (needed
-    to pin MoE gates; without it they are left alone).
+
+    ``plan`` (a :class:`~redcoast.sharding.rewrite_plan.RewritePlan`) says how ``fn``'s first
+    argument, the parameters, is placed. With ``plan.blocks`` > 1 model shards, weights of
+    different output widths (grouped-query Q beside K/V) are fused too, concatenated block by
+    block so that a split of each weight's output axis over that many shards stays a local slice
+    of the fused one. With the placements known, only matmuls whose weight the plan splits along
+    an output axis are fused (a weight is recognised by the parameter it carries, not its shape)
+    and the other rewrites run; with them unknown (``RewritePlan(blocks=n)``), every group is
+    fused and nothing else. With ``plan.mesh``, the gates of split MoE experts and hidden-split
+    lookup tables are pinned whole on it.
     """
     def fused(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         flat_args = jax.tree_util.tree_leaves(args)
-        tokens = _BLOCKS.set(int(n_model_shards)), _SPLIT.set(
-            None if split_weights is None else frozenset(split_weights)), _MESH.set(mesh)
-        try:
-            outs = _eval_fused(closed.jaxpr, closed.consts, flat_args)
-        finally:
-            _BLOCKS.reset(tokens[0])
-            _SPLIT.reset(tokens[1])
-            _MESH.reset(tokens[2])
+        origins = [None] * len(flat_args)
+        if plan.knows_placements:  # the parameters are the first leaves
+            params = leaves_with_paths(args[0])
+            origins[:len(params)] = weight_origins.of_weights(plan.leaf_splits(params))
+        outs = _eval_fused(closed.jaxpr, closed.consts, flat_args, plan, origins)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return fused
-
-
-def split_weight_axes(placements, axis_name=MP):
-    """{(shape, axis)} of the parameters ``placements`` split over ``axis_name`` by the
-    tensor-parallel plan, also as one layer's slice of a tensor stacked along a leading axis
-    (what a scan body multiplies); {(shape, axis, groups)} for a split over groups of the shards
-    (K/V heads kept by the shards of their query heads, grouped_axes.py). A split over ('dp',
-    'mp') is FSDP's storage of a tensor the plan replicates: not counted."""
-    out = set()
-    for pl in placements:
-        for axis, entry in enumerate(tuple(pl.spec)):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            if len(names) != 1:
-                continue
-            name, groups = parse_grouped(names[0])
-            if name != axis_name:
-                continue
-            extra = () if groups is None else (groups,)
-            out.add((tuple(pl.shape), axis) + extra)
-            if axis > 0:
-                out.add((tuple(pl.shape[1:]), axis - 1) + extra)
-    return out

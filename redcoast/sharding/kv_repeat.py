@@ -33,8 +33,8 @@ class _NotHeadwise(Exception):
 def find_repeats(jaxpr, is_split):
     """[(repeat output var, plan)] for each K/V repeat that can be hoisted.
 
-    ``jaxpr`` is flat (jit calls inlined); ``is_split(shape, axes)`` tells whether the plan splits
-    a weight of that shape along one of those axes (a split K/V needs no rewrite).
+    ``jaxpr`` is flat (jit calls inlined); ``is_split(weight, axes)`` tells whether the plan splits
+    that weight (a variable of ``jaxpr``) along one of those axes (a split K/V needs no rewrite).
     """
     reads = readers(jaxpr)
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -119,7 +119,7 @@ def _trace_back(jaxpr, x, axis, groups, producer, reads, is_split):
     a, inner = desc[dot.outvars[0]]
     w_side, w_axis = _weight_axis(dot, a)
     weight = dot.invars[w_side]
-    if is_split(tuple(weight.aval.shape), [w_axis]):
+    if is_split(weight, [w_axis]):
         raise _NotHeadwise("the plan splits this weight")
     return {"dot": dot, "weight_side": w_side, "weight_axis": w_axis, "inner": inner,
             "heads": heads, "groups": groups, "region": region, "desc": desc, "source": x,
@@ -178,8 +178,8 @@ def repeat_heads(x, axis, heads, inner, groups):
 
 
 def replay(plan, read, bind):
-    """The repeated value, computed from the repeated weight (``read`` gives the values of
-    variables outside the chain, ``bind(eqn, values, params)`` runs one eqn)."""
+    """``(the repeated value, the repeated weight it is computed from)`` (``read`` gives the
+    values of variables outside the chain, ``bind(eqn, values, params)`` runs one eqn)."""
     heads, groups, desc = plan["heads"], plan["groups"], plan["desc"]
     dot = plan["dot"]
     ops = [read(v) if not isinstance(v, jcore.Literal) else v.val for v in dot.invars]
@@ -203,7 +203,7 @@ def replay(plan, read, bind):
                     x = repeat_heads(x, a, heads, inner, groups)  # a per-head operand
                 vals.append(x)
         env[out] = bind(eqn, vals, _params_for(eqn, a, heads * groups * inner))[0]
-    return env[plan["source"]]
+    return env[plan["source"]], ops[side]
 
 
 def _params_for(eqn, a, size):

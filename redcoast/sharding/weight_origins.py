@@ -1,0 +1,113 @@
+"""Which variables of a traced program carry which parameter, and which of its axes.
+
+The rewrites of fusion.py decide per matmul operand whether it is a weight the plan splits. A
+parameter reaches its matmul as a jaxpr variable of the program's inputs, possibly cast to the
+compute dtype, constrained to its sharding, transposed or reshaped (Flax's DenseGeneral), or one
+layer's slice of a stacked tensor (a scan body's input, or an index into the stack). Those steps
+keep it the same weight, with its axes renumbered; anything else (an arithmetic op, a gather, a
+custom_jvp/custom_vjp call, a loop carry) makes a value whose placement is not the parameter's:
+it has no origin, so no rewrite treats it as split.
+"""
+
+import dataclasses
+
+import numpy as np
+from jax.extend import core as jcore
+
+from .jaxpr_tools import scan_operand_groups
+
+# the same values, or a view of them: the output's axes are the input's
+_SAME = frozenset(("convert_element_type", "copy", "copy_p", "sharding_constraint",
+                   "reduce_precision", "optimization_barrier"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """A variable that is (a view of) one parameter: ``weight`` (a rewrite_plan.WeightSplit) and,
+    for each axis of the variable, the parameter's axis it is, or None."""
+    weight: object
+    axes: tuple
+
+    def split_along(self, var_axes):
+        """Whether the plan splits one of ``var_axes`` over every model shard."""
+        return any(self.weight.groups(self.axes[d]) == (None,) for d in var_axes
+                   if self.axes[d] is not None)
+
+    def split_by_groups(self, var_axis):
+        """Whether the plan splits ``var_axis`` over groups of the model shards."""
+        a = self.axes[var_axis]
+        groups = None if a is None else self.weight.groups(a)
+        return groups is not None and groups[0] is not None
+
+    def renumbered(self, axes):
+        """This origin for a variable whose axes are this one's ``axes`` (None: a new axis)."""
+        new = tuple(None if a is None else self.axes[a] for a in axes)
+        return Origin(self.weight, new) if any(a is not None for a in new) else None
+
+
+def of_weights(weights):
+    """The origins of the parameter leaves themselves (``weights``: WeightSplits)."""
+    return [Origin(w, tuple(range(len(w.shape)))) for w in weights]
+
+
+def of(origins, v):
+    """The origin of ``v`` (a variable or a literal) in ``origins``, or None."""
+    return origins.get(v) if isinstance(v, jcore.Var) else None
+
+
+def propagate(jaxpr, invar_origins):
+    """{variable: Origin} for the variables of the flat ``jaxpr`` that carry a parameter, given
+    the origins (or None) of its invars."""
+    origins = {v: o for v, o in zip(jaxpr.invars, invar_origins) if o is not None}
+    for eqn in jaxpr.eqns:
+        ins = [of(origins, v) for v in eqn.invars]
+        for v, o in zip(eqn.outvars, _outputs(eqn, ins)):
+            if o is not None:
+                origins[v] = o
+    return origins
+
+
+def scan_body(eqn, ins):
+    """The origins of a scan body's inputs from those of the scan's operands (``ins``): loop
+    constants as they are, carried values none (they change), scanned inputs one slice of
+    theirs (the leading axis dropped)."""
+    n_consts, n_carry, _ = scan_operand_groups(eqn)
+    out = []
+    for k, o in enumerate(ins):
+        if o is None or n_consts <= k < n_consts + n_carry:
+            out.append(None)
+        elif k < n_consts:
+            out.append(o)
+        else:
+            out.append(o.renumbered(range(1, len(o.axes))))
+    return out
+
+
+def _outputs(eqn, ins):
+    name = eqn.primitive.name
+    if name in _SAME:
+        return ins
+    src = ins[0] if ins else None
+    if src is None:
+        return ()
+    x, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if name == "transpose":
+        return [src.renumbered(eqn.params["permutation"])]
+    if name == "squeeze":
+        dropped = {d % len(x) for d in eqn.params["dimensions"]}
+        return [src.renumbered([d for d in range(len(x)) if d not in dropped])]
+    if name in ("slice", "dynamic_slice"):  # the axes taken whole stay the parameter's
+        return [src.renumbered([d if out[d] == x[d] else None for d in range(len(x))])]
+    if name == "reshape" and eqn.params.get("dimensions") is None:
+        return [src.renumbered([_same_axis(x, out, j) for j in range(len(out))])]
+    return ()
+
+
+def _same_axis(src, dst, j):
+    """The axis of ``src`` that is axis ``j`` of ``dst`` after a row-major reshape (same size,
+    same product of the sizes before it), or None."""
+    before = int(np.prod(dst[:j], dtype=np.int64))
+    for i in range(len(src)):
+        if src[i] == dst[j] and int(np.prod(src[:i], dtype=np.int64)) == before:
+            return i
+    return None
