@@ -16,6 +16,10 @@ summation order) bring that down to Megatron's count:
 * a lookup into a table the plan splits along its hidden axis (its vocabulary does not divide
   the shards) is gathered whole right away, so that the split does not spread into the residual
   stream the looked-up rows join.
+
+What the rewrites know of the plan comes in one argument, a :class:`~.rewrite_plan.RewritePlan`;
+a matmul's weight is recognised by the parameter its variable carries (weight_origins.py), so two
+weights of one shape placed differently are told apart.
 """
 
 import string

@@ -9,6 +9,7 @@ may be placed differently.
 
 import dataclasses
 
+from ..errors import ConfigError
 from .dataflow import MP
 from .grouped_axes import parse as parse_grouped
 from .paths import path_to_str
@@ -61,7 +62,7 @@ class RewritePlan:
         sizes = dict(mesh.shape) if mesh is not None else {}
         blocks = sizes.get(axis_name, 1) if n_model_shards is None else int(n_model_shards)
         if mesh is not None and blocks != sizes.get(axis_name, 1):
-            raise ValueError(f"{n_model_shards} model shards on a mesh whose {axis_name!r} axis "
+            raise ConfigError(f"{n_model_shards} model shards on a mesh whose {axis_name!r} axis "
                              f"has {sizes.get(axis_name, 1)}: give one of them.")
         weights = []
         for pl in placements:
@@ -89,8 +90,8 @@ class RewritePlan:
             w = by_path.get(tuple(path))
             if w is None or tuple(w.shape) != tuple(getattr(leaf, "shape", ())):
                 found = "no parameter" if w is None else f"shape {tuple(w.shape)}"
-                raise ValueError(
-                    f"the rewrite plan has {found} at {path_to_str(path)}, where the traced "
+                raise ConfigError(
+                    f"the rewrite plan has {found} at {path_to_str(path) or '(the argument itself)'}, where the traced "
                     f"parameters have shape {tuple(getattr(leaf, 'shape', ()))}. Fix: build the "
                     "plan (RewritePlan.from_sharding_plan) from the plan of these parameters.")
             out.append(w)
