@@ -465,3 +465,19 @@ def test_a_weight_is_recognised_by_its_parameter_on_its_way_to_the_matmul(route)
     tolerance = 1e-2 if route == "cast" else 1e-5  # bfloat16 keeps 8 bits of mantissa
     assert_same_loss_and_gradients(fused, types.SimpleNamespace(loss=lambda p, x: layer(x, p), params=params,
                                                                 batch=x), rtol=tolerance)
+
+
+@pytest.mark.parametrize("dp, hoisted", [(4, False), (1, True)])
+def test_kv_repeats_are_hoisted_by_the_tokens_of_the_meshs_data_shards(dp, hoisted):
+    # MQA on 2 model shards (K/V replicated): hoisting sums K/V's weight gradient (hidden rows)
+    # instead of their activation gradient (tokens per data shard); it pays from 32 tokens per
+    # data shard: 64 / 4 does not, 64 / 1 does. The data shards are the mesh's, here a (1, 2)
+    # mesh on 2 of the 8 devices (not all devices over the model shards)
+    arch = mqa(n_layers=1)
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=2)
+    mesh = jax.make_mesh((dp, 2), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:2 * dp])
+    fused = fuse_sibling_matmuls(arch.loss, RewritePlan.from_placements(placements, mesh))
+    assert B * T / dp >= H if hoisted else B * T / dp < H
+    kv_outputs = [s for s in _dot_output_shapes(fused, arch.params, arch.batch) if s == (B, T, 1, HD)]
+    assert kv_outputs == ([] if hoisted else [(B, T, 1, HD)] * 2)
+    assert_same_loss_and_gradients(fused, arch)
