@@ -39,8 +39,9 @@ class RewritePlan:
     ``blocks``: the number of model shards (the 'mp' axis). ``mesh``: the mesh the step runs on,
     or None (then nothing is pinned to it). ``data_shards``: the data-parallel size (the 'dp'
     axis; the traced batch is global). ``weights``: a :class:`WeightSplit` per parameter leaf of
-    the rewritten function's first argument (in tree-leaf order), or None when the plan is not
-    known: then every group of sibling matmuls is fused and no rewrite that needs the plan runs.
+    the rewritten function's first argument (each leaf's is found by its path, so their order
+    does not matter), or None when the plan is not known: then every group of sibling matmuls
+    is fused and no rewrite that needs the plan runs.
     """
     blocks: int = 1
     mesh: object = None
@@ -55,15 +56,15 @@ class RewritePlan:
 
     @classmethod
     def from_placements(cls, placements, mesh=None, n_model_shards=None, axis_name=MP):
-        """From one :class:`~redcoast.sharding.rules.Placement` per parameter leaf (tree-leaf
-        order) and the mesh's 'mp' and 'dp' sizes (or ``n_model_shards`` without a mesh). A
-        split over several mesh axes at once (FSDP's ('dp', 'mp')) is not a split over the model
-        shards: not counted."""
+        """From one :class:`~redcoast.sharding.rules.Placement` per parameter leaf and the
+        mesh's 'mp' and 'dp' sizes (or ``n_model_shards`` without a mesh). A split over several
+        mesh axes at once (FSDP's ('dp', 'mp')) is not a split over the model shards: not
+        counted."""
         sizes = dict(mesh.shape) if mesh is not None else {}
         blocks = sizes.get(axis_name, 1) if n_model_shards is None else int(n_model_shards)
         if mesh is not None and blocks != sizes.get(axis_name, 1):
             raise ConfigError(f"{n_model_shards} model shards on a mesh whose {axis_name!r} axis "
-                             f"has {sizes.get(axis_name, 1)}: give one of them.")
+                              f"has {sizes.get(axis_name, 1)}. Fix: give one of them.")
         weights = []
         for pl in placements:
             axes = []
