@@ -481,3 +481,12 @@ def test_kv_repeats_are_hoisted_by_the_tokens_of_the_meshs_data_shards(dp, hoist
     kv_outputs = [s for s in _dot_output_shapes(fused, arch.params, arch.batch) if s == (B, T, 1, HD)]
     assert kv_outputs == ([] if hoisted else [(B, T, 1, HD)] * 2)
     assert_same_loss_and_gradients(fused, arch)
+
+
+def test_a_rewrite_plan_of_other_parameters_is_refused_with_the_fix():
+    from redcoast.errors import ConfigError
+
+    params, placements, x = _same_shape_siblings()
+    plan = RewritePlan.from_placements(placements[:2], mesh_for(2))  # no entry for c
+    with pytest.raises(ConfigError, match="no parameter at c.*Fix: build the plan"):
+        fuse_sibling_matmuls(lambda p, x: _siblings_layer(x, p), plan)(params, x)

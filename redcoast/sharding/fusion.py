@@ -412,7 +412,8 @@ def _hoist_kv_repeats(jaxpr, plan, origins):
     for (_, r), w in zip(repeats, closed.jaxpr.outvars[n_out:]):
         source = weight_origins.of(origins, r["dot"].invars[r["weight_side"]])
         path = source.weight.path if source is not None else ("(a K/V weight)",)
-        split = WeightSplit(path + ("repeated per query head",), tuple(w.aval.shape), ((r["weight_axis"], None),))
+        split = WeightSplit(path + ("repeated per query head",), tuple(w.aval.shape),
+                            ((r["weight_axis"], None),))
         made[w] = weight_origins.Origin(split, tuple(range(w.aval.ndim)))
     flat = closed.jaxpr.replace(outvars=closed.jaxpr.outvars[:n_out])
     return _Bound(flat, dict(zip(flat.constvars, closed.consts))), made

@@ -91,9 +91,10 @@ class RewritePlan:
             w = by_path.get(tuple(path))
             if w is None or tuple(w.shape) != tuple(getattr(leaf, "shape", ())):
                 found = "no parameter" if w is None else f"shape {tuple(w.shape)}"
+                where = path_to_str(path) or "(the argument itself)"
                 raise ConfigError(
-                    f"the rewrite plan has {found} at {path_to_str(path) or '(the argument itself)'}, where the traced "
-                    f"parameters have shape {tuple(getattr(leaf, 'shape', ()))}. Fix: build the "
-                    "plan (RewritePlan.from_sharding_plan) from the plan of these parameters.")
+                    f"the rewrite plan has {found} at {where}, where the traced parameters have "
+                    f"shape {tuple(getattr(leaf, 'shape', ()))}. Fix: build the plan "
+                    "(RewritePlan.from_sharding_plan) from the plan of these parameters.")
             out.append(w)
         return out
