@@ -13,7 +13,7 @@ from redcoast.sharding.dataflow import dataflow_placements
 from redcoast.sharding.grouped_axes import named_sharding
 from redcoast.sharding.paths import path_to_tuple
 from redcoast.sharding.permuted import (Permutation, find_fused_projections, permuted_placements,
-                                        storage_loss, to_storage, to_user)
+                                        state_permutations, storage_loss, to_storage, to_user)
 
 N = 4  # model shards: 8 simulated devices as dp 2 x mp 4
 
@@ -172,3 +172,17 @@ def test_gpt2_step_moves_megatron_bytes_and_holds_its_share_of_the_parameters():
     (dev1, total1, _), (dev2, total2, mega2) = held[1], held[2]
     assert (dev2 - dev1) / ((total2 - total1) / N) <= 1.10  # one layer: 1.07 (its norms, c_proj bias)
     assert dev2 <= 1.10 * mega2  # the whole model against Megatron's own placement
+
+
+def test_optimizer_state_that_follows_a_permuted_parameter_is_permuted_alike():
+    import optax
+    params, loss, batch = fused_lm(1)
+    perms = find_fused_projections(loss, params, batch, n_model_shards=N)
+    kernel = ("layers", "0", "c_attn", "kernel")
+    adam = state_permutations(optax.adam(1e-3).init(params), params, perms)
+    assert {p[1:] for p in adam} == {(m, *path) for m in ("mu", "nu") for path in perms}
+    assert all(adam[p] == perms[p[2:]] for p in adam)
+    # adafactor: the column statistics keep the permuted axis (3*hidden), the row ones do not
+    fact = state_permutations(optax.adafactor(1e-3, min_dim_size_to_factor=8).init(params), params, perms)
+    assert fact[("0", "v_col", *kernel)] == Permutation(axis=0, parts=3, shards=N)
+    assert not any(p[1] == "v_row" for p in fact)

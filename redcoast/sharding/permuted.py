@@ -465,3 +465,43 @@ def permuted_placements(fn, params, *example_args, n_model_shards, **plan_option
         if keep == perms:
             return placements, perms
         perms = keep
+
+
+def traced_permuted_placements(fn, params, *example_args, n_model_shards, **plan_options):
+    """:func:`permuted_placements` as ``(placements, where they came from, permutations)``, or
+    ``(None, why not, {})`` when the program cannot be followed (as
+    :func:`~.dataflow.traced_placements`: the caller keeps the shape rules, nothing permuted)."""
+    from .dataflow import FALLBACK
+    try:
+        placements, perms = permuted_placements(fn, params, *example_args, n_model_shards=n_model_shards,
+                                                **plan_options)
+    except Exception as e:  # noqa: BLE001 - any program the analysis cannot follow
+        return None, f"{FALLBACK} (the data-flow analysis failed: {type(e).__name__}: {e})", {}
+    return placements, "the traced data flow", perms
+
+
+def state_permutations(tree, params, permutations):
+    """``{path: Permutation}`` for the leaves of ``tree`` (an optimizer state) that follow a
+    permuted parameter: a leaf whose path ends with the parameter's path and whose shape is the
+    parameter's (adam's moments, momentum), or the parameter's with an axis other than the
+    permuted one reduced (adafactor's factored statistics, dropped or kept with size 1)."""
+    if not permutations:
+        return {}
+    shapes = {path: tuple(x.shape) for path, x in leaves_with_paths(params) if path in permutations}
+    out = {}
+    for path, leaf in leaves_with_paths(tree):
+        shape = tuple(getattr(leaf, "shape", ()))
+        for start in range(len(path)):
+            perm = permutations.get(path[start:])
+            if perm is None:
+                continue
+            pshape, a = shapes[path[start:]], perm.axis
+            if shape == pshape or (len(shape) == len(pshape) and shape[a] == pshape[a]
+                                   and all(d in (1, p) for d, p in zip(shape, pshape))):
+                out[path] = perm
+            elif len(shape) == len(pshape) - 1:
+                reduced = [r for r in range(len(pshape)) if pshape[:r] + pshape[r + 1:] == shape]
+                if len(reduced) == 1 and reduced[0] != a:
+                    out[path] = dataclasses.replace(perm, axis=a - (reduced[0] < a))
+            break
+    return out
