@@ -121,8 +121,8 @@ def main():
             ratio, layer_mem, all_mem, mega, k = measure(make, permute)
             print(f"{name:<42}{'permuted' if permute else 'written':<10}{ratio:>11.3f}x{layer_mem:>17.3f}x"
                   f"{all_mem:>15.3f}x{mega:>14.3f}x{k:>10}", flush=True)
-    print(f"({time.perf_counter() - t0:.0f} s; jax {jax.__version__}, {jax.device_count()} CPU devices, dp {DP} x mp {N}; "
-          "'permuted': leaves stored permuted at depth 2)")
+    print(f"({time.perf_counter() - t0:.0f} s; jax {jax.__version__}, {jax.device_count()} CPU devices, "
+          f"dp {DP} x mp {N}; 'permuted': leaves stored permuted at depth 2)")
 
 
 if __name__ == "__main__":
