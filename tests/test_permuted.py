@@ -186,3 +186,32 @@ def test_optimizer_state_that_follows_a_permuted_parameter_is_permuted_alike():
     fact = state_permutations(optax.adafactor(1e-3, min_dim_size_to_factor=8).init(params), params, perms)
     assert fact[("0", "v_col", *kernel)] == Permutation(axis=0, parts=3, shards=N)
     assert not any(p[1] == "v_row" for p in fact)
+
+
+def test_training_in_the_stored_layout_follows_training_as_written():
+    # three steps of SGD with momentum of the Trainer-style loss on stored params and optimizer
+    # state, mapped back, against the same steps as written (not Adam: the key bias has a zero
+    # true gradient, whose rounding noise Adam would turn into lr-sized steps, see NOTES.md)
+    import optax
+    from redcoast.sharding.permuted import convert_state, storage_loss_fn
+    from redcoast.train_state import TrainState
+
+    params, loss, batch = fused_lm(1)
+    perms = find_fused_projections(loss, params, batch, n_model_shards=N)
+    user_loss = lambda rng, state, p, b, is_training: loss(p, b) if is_training else None  # noqa: E731
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def run(loss_fn, state):
+        step = jax.jit(lambda s: s.apply_gradients(
+            grads=jax.grad(lambda p: loss_fn(None, s, p, batch, True))(s.params)))
+        for _ in range(3):
+            state = step(state)
+        return state
+
+    start = TrainState(step=jnp.array(0), params=params, opt_state=tx.init(params), nonfinite_step=jnp.array(-1),
+                       apply_fn=None, tx=tx)
+    want = run(user_loss, start)
+    got = convert_state(run(storage_loss_fn(user_loss, perms), convert_state(start, perms, to_storage)),
+                        perms, to_user)
+    _close(got.params, want.params)
+    _close(got.opt_state, want.opt_state)

@@ -505,3 +505,23 @@ def state_permutations(tree, params, permutations):
                     out[path] = dataclasses.replace(perm, axis=a - (reduced[0] < a))
             break
     return out
+
+
+def storage_loss_fn(loss_fn, permutations):
+    """A Trainer ``loss_fn(rng, state, params, batch, is_training)`` taking stored ``params``
+    (the rest is closed over, so Python-level arguments such as ``is_training`` stay static)."""
+    if not permutations:
+        return loss_fn
+
+    def stored(rng, state, params, batch, is_training):
+        return storage_loss(lambda p: loss_fn(rng, state, p, batch, is_training), permutations)(params)
+    return stored
+
+
+def convert_state(state, permutations, to):
+    """A train state (``params``, ``opt_state``) with its parameters and the optimizer-state
+    leaves that follow them moved to the layout ``to`` (:func:`to_storage` or :func:`to_user`)."""
+    if not permutations:
+        return state
+    opt = state_permutations(state.opt_state, state.params, permutations)
+    return state.replace(params=to(state.params, permutations), opt_state=to(state.opt_state, opt))
