@@ -463,8 +463,15 @@ def permuted_placements(fn, params, *example_args, n_model_shards, **plan_option
         keep = {path: p for path, p in perms.items()
                 if len(spec[path]) > p.axis and spec[path][p.axis] == MP}
         if keep == perms:
-            return placements, perms
+            return [_noted(pl, perms.get(pl.path)) for pl in placements], perms
         perms = keep
+
+
+def _noted(placement, perm):
+    if perm is None:
+        return placement
+    return dataclasses.replace(placement, reason=f"{placement.reason}; stored permuted (a fused "
+                               f"projection: each shard's block holds its slice of all {perm.parts} parts)")
 
 
 def traced_permuted_placements(fn, params, *example_args, n_model_shards, **plan_options):
