@@ -532,3 +532,14 @@ def convert_state(state, permutations, to):
         return state
     opt = state_permutations(state.opt_state, state.params, permutations)
     return state.replace(params=to(state.params, permutations), opt_state=to(state.opt_state, opt))
+
+
+def state_converters(permutations, state_shardings):
+    """``(to_user, to_storage)``: jitted conversions of a train state between the user's layout
+    and the stored one, placed by ``state_shardings`` (``to_storage`` consumes its input, which
+    the caller no longer holds: a model may fill the devices). Identities without permutations."""
+    if not permutations:
+        return (lambda state: state), (lambda state: state)
+    return (jax.jit(lambda s: convert_state(s, permutations, to_user), out_shardings=state_shardings),
+            jax.jit(lambda s: convert_state(s, permutations, to_storage), out_shardings=state_shardings,
+                    donate_argnums=0))
