@@ -21,6 +21,7 @@ part is taken out of its shard's block by a reshape and a slice, with no traffic
 """
 
 import dataclasses
+from typing import Callable
 
 import jax
 from jax.extend import core as jcore
@@ -534,12 +535,34 @@ def convert_state(state, permutations, to):
     return state.replace(params=to(state.params, permutations), opt_state=to(state.opt_state, opt))
 
 
-def state_converters(permutations, state_shardings):
-    """``(to_user, to_storage)``: jitted conversions of a train state between the user's layout
-    and the stored one, placed by ``state_shardings`` (``to_storage`` consumes its input, which
-    the caller no longer holds: a model may fill the devices). Identities without permutations."""
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoredLayout:
+    """How one layout stores its state: ``permutations`` ({path: Permutation}, empty when none)
+    and jitted conversions between the user's layout and the stored one, of a whole train state
+    (its params and the optimizer-state leaves that follow them) or of params alone, placed by
+    the layout's shardings. The ``*_to_storage`` ones consume their input (a model may fill the
+    devices)."""
+    permutations: dict
+    state_to_user: Callable
+    state_to_storage: Callable
+    params_to_user: Callable
+    params_to_storage: Callable
+
+
+def stored_layout(permutations, state_shardings):
+    """The :class:`StoredLayout` of ``permutations`` for states placed by ``state_shardings``
+    (a TrainState of shardings); identities without permutations."""
     if not permutations:
-        return (lambda state: state), (lambda state: state)
-    return (jax.jit(lambda s: convert_state(s, permutations, to_user), out_shardings=state_shardings),
-            jax.jit(lambda s: convert_state(s, permutations, to_storage), out_shardings=state_shardings,
-                    donate_argnums=0))
+        same = lambda tree: tree  # noqa: E731
+        return StoredLayout({}, same, same, same, same)
+
+    def jitted(fn, shardings, donate):
+        return jax.jit(fn, out_shardings=shardings, donate_argnums=0 if donate else ())
+    params_shardings = state_shardings.params
+    return StoredLayout(
+        dict(permutations),
+        jitted(lambda s: convert_state(s, permutations, to_user), state_shardings, False),
+        jitted(lambda s: convert_state(s, permutations, to_storage), state_shardings, True),
+        jitted(lambda p: to_user(p, permutations), params_shardings, False),
+        jitted(lambda p: to_storage(p, permutations), params_shardings, True))
