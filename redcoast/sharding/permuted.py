@@ -460,12 +460,18 @@ def permuted_placements(fn, params, *example_args, n_model_shards, **plan_option
     while True:
         placements = dataflow_placements(storage_loss(fn, perms), params, *example_args,
                                          n_model_shards=n_model_shards, **plan_options)
-        spec = {pl.path: tuple(pl.spec) for pl in placements}
-        keep = {path: p for path, p in perms.items()
-                if len(spec[path]) > p.axis and spec[path][p.axis] == MP}
+        keep = split_permutations(perms, placements)
         if keep == perms:
             return [_noted(pl, perms.get(pl.path)) for pl in placements], perms
         perms = keep
+
+
+def split_permutations(permutations, placements):
+    """The ``permutations`` whose parameter ``placements`` split over 'mp' on the permuted axis
+    (the others would gain nothing from being stored permuted)."""
+    spec = {pl.path: tuple(pl.spec) for pl in placements}
+    return {path: p for path, p in permutations.items()
+            if len(spec.get(path, ())) > p.axis and spec[path][p.axis] == MP}
 
 
 def _noted(placement, perm):
