@@ -215,4 +215,3 @@ def test_training_in_the_stored_layout_follows_training_as_written():
                         perms, to_user)
     _close(got.params, want.params)
     _close(got.opt_state, want.opt_state)
-
