@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .sharding import ShardingPlan
 from .sharding.context import laid_out_for
 from .sharding.dataflow import traced_placements
+from .sharding.permuted import storage_loss_fn, stored_layout, traced_permuted_placements
 from .sharding.rewrite_plan import RewritePlan
 from .steps import cast_floating, make_eval_step, make_train_step
 from .train_state import TrainState
@@ -74,6 +75,7 @@ class Layout:
     reason: str = "the only candidate"
     table: str = ""
     considered: tuple = ()               # ((Candidate, Estimate), ...) compared for the choice
+    stored: Any = None                   # permuted.StoredLayout: how the state is stored, and back
 
     @property
     def name(self):
@@ -134,11 +136,17 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch):
     # built-in step's fusion): as written, XLA gathers their gradient repeated per query head
     # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated)
     grouped = candidate.fuse_matmuls and recipe.train_step_fn is None
-    placements, source = traced_placements(traced_loss, state.params, abstract_batch,
-                                           n_model_shards=candidate.n_model_shards,
-                                           group_kv_heads=grouped)
+    permutations = {}
+    if recipe.train_step_fn is None:  # the built-in step runs the loss on fused projections stored permuted
+        placements, source, permutations = traced_permuted_placements(
+            traced_loss, state.params, abstract_batch, n_model_shards=candidate.n_model_shards,
+            group_kv_heads=grouped)
+    else:
+        placements, source = traced_placements(traced_loss, state.params, abstract_batch,
+                                               n_model_shards=candidate.n_model_shards,
+                                               group_kv_heads=grouped)
     plan = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
-                        base_placements=placements, fsdp=candidate.fsdp)
+                        base_placements=placements, fsdp=candidate.fsdp, permutations=permutations)
     return plan, source
 
 
@@ -152,8 +160,9 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
         apply_fn=state.apply_fn, tx=state.tx,
         frozen_params=frozen_shardings(state.frozen_params, mesh))
     n = candidate.n_model_shards
-    # the loss is traced knowing the number of model shards (sharding/context.py)
-    loss_fn = laid_out_for(recipe.loss_fn, n)
+    # the loss is traced knowing the number of model shards (sharding/context.py), and takes
+    # the parameters as stored (fused projections permuted, sharding/permuted.py)
+    loss_fn = laid_out_for(storage_loss_fn(recipe.loss_fn, plan.permutations), n)
     step_fn = recipe.train_step_fn or make_train_step(
         loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
         grad_shardings=state_shardings.params,
@@ -167,7 +176,8 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
                         in_shardings=(state_shardings, rows, rows, replicated),
                         out_shardings=replicated)
     return Layout(candidate, mesh, plan, state_shardings, batch_sharding, rows, replicated,
-                  train_step, eval_step, source=source, final=final)
+                  train_step, eval_step, source=source, final=final,
+                  stored=stored_layout(plan.permutations, state_shardings))
 
 
 def lower_train_step(layout, state, abstract_micro_batch, accumulate_grad_batches, rng):

@@ -158,10 +158,11 @@ class Trainer:
 
     def _adopt(self, layout):
         """Run in ``layout`` from now on: the state and random keys move to it (donated: a model
-        may fill the devices)."""
+        may fill the devices). Between layouts the state is in the user's layout."""
+        state = self.layout.stored.state_to_user(self._state)
         self.layout = layout
         self._step_costs = {}
-        self._state = jax.device_put(self._state, layout.state_shardings, donate=True)
+        self._state = layout.stored.state_to_storage(jax.device_put(state, layout.state_shardings, donate=True))
         self._train_rng = jax.device_put(self._train_rng, layout.replicated)
         self._eval_rng = jax.device_put(self._eval_rng, layout.replicated)
 
@@ -184,11 +185,14 @@ class Trainer:
 
     @property
     def state(self):
-        return self._state
+        """The training state, in the user's layout (fused projections the layout stores
+        permuted are presented as given)."""
+        return self.layout.stored.state_to_user(self._state)
 
     @property
     def params(self):
-        return self._state.params
+        """The parameters, in the user's layout (as :attr:`state`)."""
+        return self.layout.stored.params_to_user(self._state.params)
 
     @property
     def frozen_params(self):
@@ -204,13 +208,14 @@ class Trainer:
         """Continue from ``params`` (the structure and shapes of ``trainer.params``, e.g. a FedAvg
         round's average) with the steps already compiled; the optimizer state starts afresh
         unless ``reset_opt_state=False``. The caller's arrays are copied, never donated."""
-        current = jax.tree_util.tree_map(lambda x: (x.shape, jnp.dtype(x.dtype)), self.params)
+        current = jax.tree_util.tree_map(lambda x: (x.shape, jnp.dtype(x.dtype)), self._state.params)
         given = jax.tree_util.tree_map(lambda x: (np.shape(x), jnp.dtype(x.dtype)), params)
         if given != current:
             raise ConfigError("set_params was given parameters of another structure, shape or "
                               "dtype than trainer.params. Fix: pass a tree shaped like "
                               "trainer.params (build a new Trainer for another model).")
-        params = jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(params)
+        params = self.layout.stored.params_to_storage(
+            jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(params))
         state = self._state.replace(params=params)
         if reset_opt_state:
             state = state.replace(opt_state=jax.jit(
@@ -395,7 +400,7 @@ class Trainer:
 
     def save_params(self, path):
         """Write the current parameters as a safetensors file (readable without redcoast)."""
-        save_params(self._state.params, path)
+        save_params(self.params, path)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -417,7 +422,7 @@ class Trainer:
                 "train_rng": key_to_json(to_host(self._train_rng)),
                 "eval_rng": key_to_json(to_host(self._eval_rng)),
                 "best": dict(self._best), "config": config or {}}
-        store.save(self._host_step, self._saved_part(self._state), meta)
+        store.save(self._host_step, self._saved_part(self.state), meta)  # in the user's layout
         return meta
 
     def restore_checkpoint(self, store):
@@ -426,7 +431,7 @@ class Trainer:
         if restored is None:
             return None
         arrays, meta = restored
-        self._state = self._state.replace(**arrays)
+        self._state = self.layout.stored.state_to_storage(self._state.replace(**arrays))
         self._host_step = int(meta["step"])
         self._train_rng = jax.device_put(key_from_json(meta["train_rng"]), self.layout.replicated)
         self._eval_rng = jax.device_put(key_from_json(meta["eval_rng"]), self.layout.replicated)

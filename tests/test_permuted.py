@@ -215,3 +215,68 @@ def test_training_in_the_stored_layout_follows_training_as_written():
                         perms, to_user)
     _close(got.params, want.params)
     _close(got.opt_state, want.opt_state)
+
+
+# ---- through the Trainer -------------------------------------------------------------------------
+def _stack(rows):
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _gpt2_trainer(depth, n, workdir=None):
+    import optax
+    from redcoast import Deployer, Trainer
+    arch = gpt2(n_layers=depth)
+    deployer = Deployer(jax_seed=0, n_model_shards=n, workdir=workdir, verbose=False)
+    trainer = Trainer(deployer, _stack, None, lambda rng, state, params, batch, is_training: arch.loss(params, batch),
+                      arch.params, optax.sgd(0.1, momentum=0.9), fsdp=False, fuse_matmuls=True)
+    return arch, trainer
+
+
+def test_the_trainer_splits_gpt2s_fused_c_attn_by_heads_at_megatron_traffic():
+    from redcoast import Deployer
+    trainers = {}
+
+    def compiled(depth):
+        arch, trainers[depth] = _gpt2_trainer(depth, N)
+        return trainers[depth].compile_train_step(arch.batch)
+
+    layer = per_layer(compiled, Deployer(n_model_shards=N, verbose=False).mesh, depths=(1, 2))
+    assert layer["mp"]["wire_bytes"] / megatron_ideal(B // (8 // N), T, H, N)["wire_bytes"] <= 1.05
+    specs = _specs(trainers[2].plan.placements)
+    assert specs["h/0/attn/c_attn/weight"] == P(None, "mp") and specs["h/0/attn/c_attn/bias"] == P("mp")
+    held = {d: (sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(t.params)),
+                sum(x.nbytes for x in jax.tree_util.tree_leaves(t.params))) for d, t in trainers.items()}
+    assert (held[2][0] - held[1][0]) / ((held[2][1] - held[1][1]) / N) <= 1.10
+    assert held[2][0] <= 1.10 * _megatron_share(gpt2(n_layers=2).params)
+    # what the user sees is their own layout: before any step, the parameters as given
+    for got, want in zip(jax.tree_util.tree_leaves(trainers[2].params), jax.tree_util.tree_leaves(gpt2(2).params)):
+        assert got.shape == want.shape and np.array_equal(np.asarray(got), want)
+
+
+def test_the_trainer_presents_the_users_layout_in_params_checkpoints_and_exports(tmp_path):
+    from redcoast.checkpoint import CheckpointStore
+    from safetensors.numpy import load_file
+    arch, sharded = _gpt2_trainer(1, N, str(tmp_path))
+    rows = [{k: v[i] for k, v in arch.batch.items()} for i in range(B)]
+    sharded.fit(rows * 2, B // 2, 1, shuffle=False, save_last_ckpt=True)  # 2 steps of the batch
+    assert sharded.step == 2
+    assert _specs(sharded.plan.placements)["h/0/attn/c_attn/weight"] == P(None, "mp")
+    stored = sharded._state.params["h"]["0"]["attn"]["c_attn"]["weight"]  # as the step reads it
+    assert not np.array_equal(np.asarray(stored), np.asarray(sharded.params["h"]["0"]["attn"]["c_attn"]["weight"]))
+    _, plain = _gpt2_trainer(1, 1)
+    plain.fit(rows * 2, B // 8, 1, shuffle=False)
+    _close(sharded.params, plain.params)
+    _close(sharded.state.opt_state, plain.state.opt_state)
+    sharded.save_params(str(tmp_path / "p.safetensors"))
+    exported = load_file(str(tmp_path / "p.safetensors"))
+    np.testing.assert_array_equal(exported["h.0.attn.c_attn.weight"],
+                                  np.asarray(sharded.params["h"]["0"]["attn"]["c_attn"]["weight"]))
+    _, restorer = _gpt2_trainer(1, 1)
+    restorer.restore_checkpoint(CheckpointStore(tmp_path / "checkpoints" / "steps"))
+    for got, want in zip(jax.tree_util.tree_leaves((restorer.params, restorer.state.opt_state)),
+                         jax.tree_util.tree_leaves((sharded.params, sharded.state.opt_state))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # and back onto the permuted layout: a set_params round trip keeps the values
+    sharded.set_params(restorer.params, reset_opt_state=False)
+    for got, want in zip(jax.tree_util.tree_leaves(sharded.params), jax.tree_util.tree_leaves(restorer.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

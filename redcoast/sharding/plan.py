@@ -10,6 +10,7 @@ from .fsdp import fsdp_placements, ungrouped_storage
 from .grouped_axes import named_sharding
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
+from .permuted import split_permutations
 from .rules import (Placement, check_rules_format, check_spec_fits, first_matching_rule,
                     format_plan, format_rules, generalize_rules, rule_matches)
 
@@ -17,10 +18,12 @@ from .rules import (Placement, check_rules_format, check_spec_fits, first_matchi
 class ShardingPlan:
     """Where every parameter (and optimizer-state leaf) of a model lives on the mesh."""
 
-    def __init__(self, params, mesh, user_rules=None, base_placements=None, fsdp=False):
+    def __init__(self, params, mesh, user_rules=None, base_placements=None, fsdp=False, permutations=None):
         """``base_placements`` (e.g. from the data-flow analysis) replace the structural rules
         that read only the shapes; user rules override either. ``fsdp`` also splits large
-        tensors over 'dp' (see fsdp.py)."""
+        tensors over 'dp' (see fsdp.py). ``permutations`` ({path: Permutation}, permuted.py):
+        fused projections the placements are for stored permuted; kept where the final
+        placement splits them on that axis (``self.permutations``)."""
         self.mesh = mesh
         self.axis_sizes = dict(mesh.shape)
         n_model_shards = self.axis_sizes.get("mp", 1)
@@ -31,6 +34,7 @@ class ShardingPlan:
             warn_unmatched_rules(user_rules, placements)
         # where each parameter is used: the tensor-parallel placement; stored split further
         self.compute_placements = placements
+        self.permutations = split_permutations(permutations or {}, placements)
         placements = ungrouped_storage(placements, n_model_shards)
         if fsdp:
             placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1),
