@@ -146,7 +146,8 @@ def test_fsdp_placements_add_dp_to_one_free_dimension():
 
 
 def test_tensors_the_plan_replicates_are_split_over_all_devices_and_train_the_same():
-    # a fused (512, 1536) QKV written as one matrix: its Q, K, V are sliced out, so the plan
+    # a fused (512, 1536) QKV written as one matrix: its Q, K, V are sliced out and its whole
+    # output is read too (so it cannot be stored permuted, sharding/permuted.py), so the plan
     # replicates it over the model shards; FSDP then splits it over dp and mp together
     rs = np.random.RandomState(0)
     params = {"qkv": (rs.randn(512, 1536) * 0.05).astype(np.float32),
@@ -155,8 +156,9 @@ def test_tensors_the_plan_replicates_are_split_over_all_devices_and_train_the_sa
 
     def qkv_loss(rng, state, p, batch, is_training):
         x = batch["x"]
-        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
-        return jnp.mean(((jax.nn.sigmoid(q * k) * v) @ p["out"] - x) ** 2)
+        qkv = x @ p["qkv"]
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        return jnp.mean(((jax.nn.sigmoid(q * k) * v) @ p["out"] - x) ** 2) + 1e-3 * jnp.mean(qkv ** 2)
 
     collate_x = lambda rows: {"x": np.stack(rows)}  # noqa: E731
     # fsdp=True: what FSDP does with such a tensor (left None, the layout chosen by measurement
