@@ -285,3 +285,17 @@ def test_the_trainer_presents_the_users_layout_in_params_checkpoints_and_exports
     sharded.set_params(restorer.params, reset_opt_state=False)
     for got, want in zip(jax.tree_util.tree_leaves(sharded.params), jax.tree_util.tree_leaves(restorer.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_failing_permutation_analysis_leaves_the_plan_as_written(monkeypatch):
+    import redcoast.sharding.permuted as permuted
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("an op the walk does not know")
+
+    arch = gpt2(n_layers=1)
+    monkeypatch.setattr(permuted, "find_fused_projections", broken)
+    placements, source, perms = permuted.traced_permuted_placements(arch.loss, arch.params, arch.batch,
+                                                                    n_model_shards=N)
+    assert perms == {} and "an op the walk does not know" in source
+    assert _specs(placements) == _specs(dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=N))

@@ -482,16 +482,21 @@ def _noted(placement, perm):
 
 
 def traced_permuted_placements(fn, params, *example_args, n_model_shards, **plan_options):
-    """:func:`permuted_placements` as ``(placements, where they came from, permutations)``, or
-    ``(None, why not, {})`` when the program cannot be followed (as
-    :func:`~.dataflow.traced_placements`: the caller keeps the shape rules, nothing permuted)."""
-    from .dataflow import FALLBACK
+    """:func:`permuted_placements` as ``(placements, where they came from, permutations)``.
+    Where it fails, the plan of ``fn`` as written (:func:`~.dataflow.traced_placements`, with
+    its own fallback to the shape rules) with nothing permuted, and the source says why."""
+    from .dataflow import traced_placements
     try:
         placements, perms = permuted_placements(fn, params, *example_args, n_model_shards=n_model_shards,
                                                 **plan_options)
+        return placements, "the traced data flow", perms
     except Exception as e:  # noqa: BLE001 - any program the analysis cannot follow
-        return None, f"{FALLBACK} (the data-flow analysis failed: {type(e).__name__}: {e})", {}
-    return placements, "the traced data flow", perms
+        why = f"{type(e).__name__}: {e}"
+    placements, source = traced_placements(fn, params, *example_args, n_model_shards=n_model_shards,
+                                           **plan_options)
+    if placements is not None:
+        source += f" (fused projections left as written: their analysis failed: {why})"
+    return placements, source, {}
 
 
 def state_permutations(tree, params, permutations):
