@@ -9,7 +9,8 @@ hidden) applied transposed). For each: the tensor-parallel plan traced from the 
 step compiled at two depths and differenced (redcoast/comms.py). Columns: per-layer 'mp' wire
 bytes over Megatron-LM's; device 0's parameter bytes over a 1/4 share, per layer (differenced)
 and for the whole model; the same over Megatron's own placement (its norms, row biases and
-position table replicated).
+position table replicated). 'Trainer': the same model through a Trainer with every default
+(AdamW, FSDP and fusion left to the layout choice), its own compiled step and ``trainer.params``.
 
     python benchmarks/permuted_fused.py
 """
@@ -106,6 +107,31 @@ def measure(make, permute):
             d2 / m2, k2)
 
 
+def measure_trainer(make):
+    """The same through a Trainer with every default (AdamW; FSDP and fusion left to its choice)."""
+    from redcoast import Deployer, Trainer
+    trainers = {}
+
+    def compiled(depth):
+        params, loss, batch, _ = make(depth)
+        trainers[depth] = Trainer(Deployer(jax_seed=0, n_model_shards=N, verbose=False), _collate, None,
+                                  lambda rng, state, p, b, is_training: loss(p, b), params, optax.adamw(1e-3))
+        return trainers[depth].compile_train_step(batch)
+
+    layer = per_layer(compiled, Deployer(n_model_shards=N, verbose=False).mesh, depths=(1, 2))
+    B, T, H = make(1)[3]
+    ideal = megatron_ideal(B // DP, T, H, N)["wire_bytes"]
+    held = {d: [x for x in jax.tree_util.tree_leaves(t.params)] for d, t in trainers.items()}
+    d1, d2 = (sum(x.addressable_shards[0].data.nbytes for x in held[d]) for d in (1, 2))
+    t1, t2 = (sum(x.nbytes for x in held[d]) for d in (1, 2))
+    return (layer.get("mp", {}).get("wire_bytes", 0) / ideal, (d2 - d1) / ((t2 - t1) / N), d2 / (t2 / N),
+            d2 / megatron_share(make(2)[0]), len(trainers[2].layout.plan.permutations))
+
+
+def _collate(rows):  # compile_train_step is given batches, never examples
+    raise AssertionError("not called")
+
+
 def main():
     models = {"tests' gpt2 (Conv1D, c_attn (H, 3H))": tests_gpt2}
     try:
@@ -117,9 +143,10 @@ def main():
           f"{'dev0/Megatron':>15}{'permuted':>10}")
     t0 = time.perf_counter()
     for name, make in models.items():
-        for permute in (False, True):
-            ratio, layer_mem, all_mem, mega, k = measure(make, permute)
-            print(f"{name:<42}{'permuted' if permute else 'written':<10}{ratio:>11.3f}x{layer_mem:>17.3f}x"
+        for label, run in (("written", lambda: measure(make, False)), ("permuted", lambda: measure(make, True)),
+                           ("Trainer", lambda: measure_trainer(make))):
+            ratio, layer_mem, all_mem, mega, k = run()
+            print(f"{name:<42}{label:<10}{ratio:>11.3f}x{layer_mem:>17.3f}x"
                   f"{all_mem:>15.3f}x{mega:>14.3f}x{k:>10}", flush=True)
     print(f"({time.perf_counter() - t0:.0f} s; jax {jax.__version__}, {jax.device_count()} CPU devices, "
           f"dp {DP} x mp {N}; 'permuted': leaves stored permuted at depth 2)")
