@@ -18,6 +18,10 @@ part is taken out of its shard's block by a reshape and a slice, with no traffic
 * :func:`storage_loss` rewrites the function to take stored params.
 * :func:`permuted_placements` keeps the permutations the tensor-parallel plan then splits, and
   returns that plan.
+* For a training loop: :func:`storage_loss_fn` (the Trainer's loss signature),
+  :func:`state_permutations` / :func:`convert_state` (the optimizer state that follows a
+  permuted parameter) and :class:`StoredLayout` (jitted conversions placed by a layout's
+  shardings, so that every boundary presents the user's layout).
 """
 
 import dataclasses
