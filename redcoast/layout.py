@@ -76,6 +76,7 @@ class Layout:
     table: str = ""
     considered: tuple = ()               # ((Candidate, Estimate), ...) compared for the choice
     stored: Any = None                   # permuted.StoredLayout: how the state is stored, and back
+    rewrite: Any = None                  # the RewritePlan the step's loss is run with (fusion.py), if any
 
     @property
     def name(self):
@@ -163,10 +164,11 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     # the loss is traced knowing the number of model shards (sharding/context.py), and takes
     # the parameters as stored (fused projections permuted, sharding/permuted.py)
     loss_fn = laid_out_for(storage_loss_fn(recipe.loss_fn, plan.permutations), n)
+    rewrite = (RewritePlan.from_sharding_plan(plan)
+               if candidate.fuse_matmuls and recipe.train_step_fn is None else None)
     step_fn = recipe.train_step_fn or make_train_step(
         loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
-        grad_shardings=state_shardings.params,
-        rewrite_plan=RewritePlan.from_sharding_plan(plan) if candidate.fuse_matmuls else None,
+        grad_shardings=state_shardings.params, rewrite_plan=rewrite,
         compute_shardings=plan.compute_shardings(), log_grad_norm=recipe.log_grad_norm)
     rows = NamedSharding(mesh, P("dp"))
     batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, "dp"))
@@ -177,7 +179,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
                         out_shardings=replicated)
     return Layout(candidate, mesh, plan, state_shardings, batch_sharding, rows, replicated,
                   train_step, eval_step, source=source, final=final,
-                  stored=stored_layout(plan.permutations, state_shardings))
+                  stored=stored_layout(plan.permutations, state_shardings), rewrite=rewrite)
 
 
 def lower_train_step(layout, state, abstract_micro_batch, accumulate_grad_batches, rng):

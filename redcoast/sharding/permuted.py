@@ -44,7 +44,10 @@ _LAYOUT = ("convert_element_type", "copy", "copy_p", "reduce_precision", "transp
 _NOT_ELEMENTWISE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev",
                     "reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
                     "select_and_scatter_add", "select_and_gather_add", "conv_general_dilated",
-                    "fft", "iota", "rng_bit_generator", "random_bits")
+                    "fft", "iota", "rng_bit_generator", "random_bits", "gather", "scatter",
+                    "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+                    "scatter_min", "scatter-max", "scatter_max", "dynamic_slice",
+                    "dynamic_update_slice", "pad", "argsort", "top_k")
 
 
 @dataclasses.dataclass(frozen=True)
