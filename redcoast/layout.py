@@ -218,11 +218,14 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     only. A few compilations at the first batch in all.
     """
     traced = {}  # Candidate -> (plan, source, abstract batch, mesh)
+    batches = {}  # n_model_shards -> (mesh, the first batch on it): collated once per mesh
 
     def trace(c):
         if c not in traced:
-            mesh = make_mesh(c.n_model_shards)
-            abstract = batch_for(mesh)
+            if c.n_model_shards not in batches:
+                mesh = make_mesh(c.n_model_shards)
+                batches[c.n_model_shards] = mesh, batch_for(mesh)
+            mesh, abstract = batches[c.n_model_shards]
             plan, source = trace_plan(recipe, c, mesh, state, abstract)
             traced[c] = (plan, source, abstract, mesh)
         return traced[c]
