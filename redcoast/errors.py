@@ -23,3 +23,7 @@ class NonFiniteLossError(RedcoastError, FloatingPointError):
 
 class CheckpointError(RedcoastError, RuntimeError):
     """A workdir or its checkpoints cannot be used as asked (in use, none restorable, ...)."""
+
+
+class LayoutCheckError(RedcoastError, AssertionError):
+    """A layout's loss or gradients differ from one device's (``Trainer.check_layout``)."""

@@ -23,9 +23,11 @@ from .errors import ConfigError
 from .sharding import ShardingPlan
 from .sharding.context import laid_out_for
 from .sharding.dataflow import traced_placements
+from .sharding.grouped_conv import guard_grouped_convs
 from .sharding.permuted import storage_loss_fn, stored_layout, traced_permuted_placements
 from .sharding.rewrite_plan import RewritePlan
-from .steps import cast_floating, make_eval_step, make_train_step
+from .steps import (cast_floating, make_batch_eval_step, make_eval_step, make_loss_and_grad,
+                    make_train_step)
 from .train_state import TrainState
 
 
@@ -68,7 +70,9 @@ class Layout:
     eval_batch_sharding: NamedSharding   # an evaluation batch, and its padding mask
     replicated: NamedSharding
     train_step: Callable                 # jitted: (state, batch, rng) -> (state, metrics)
-    eval_step: Callable                  # jitted: (state, batch, mask, rng) -> (sums, count)
+    eval_step: Callable                  # jitted: (state, batch, mask, rng) -> (sums, count, spread)
+    batch_eval_step: Callable            # jitted: (state, batch, rng) -> (sums, count), whole batches
+    remainder_eval_step: Callable        # the same for a last, smaller batch placed replicated
     source: str = "the parameters' shapes"
     final: bool = True
     estimate: Any = None                 # the chosen candidate's cost_model.Estimate, if compared
@@ -77,6 +81,9 @@ class Layout:
     considered: tuple = ()               # ((Candidate, Estimate), ...) compared for the choice
     stored: Any = None                   # permuted.StoredLayout: how the state is stored, and back
     rewrite: Any = None                  # the RewritePlan the step's loss is run with (fusion.py), if any
+    grad_step: Callable = None           # jitted: (state, micro-batch, rng) -> (loss, metrics, grads)
+    #                                      as the built-in train step computes them (None with the
+    #                                      user's own train_step_fn); for layout_check.py
 
     @property
     def name(self):
@@ -166,20 +173,35 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     loss_fn = laid_out_for(storage_loss_fn(recipe.loss_fn, plan.permutations), n)
     rewrite = (RewritePlan.from_sharding_plan(plan)
                if candidate.fuse_matmuls and recipe.train_step_fn is None else None)
-    step_fn = recipe.train_step_fn or make_train_step(
-        loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
-        grad_shardings=state_shardings.params, rewrite_plan=rewrite,
-        compute_shardings=plan.compute_shardings(), log_grad_norm=recipe.log_grad_norm)
     rows = NamedSharding(mesh, P("dp"))
+    grad_step = None
+    if recipe.train_step_fn is None:
+        step_fn = make_train_step(
+            loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
+            grad_shardings=state_shardings.params, rewrite_plan=rewrite,
+            compute_shardings=plan.compute_shardings(), log_grad_norm=recipe.log_grad_norm,
+            mesh=mesh)
+        loss_and_grad = make_loss_and_grad(loss_fn, recipe.compute_dtype, rewrite,
+                                           plan.compute_shardings(), mesh)
+        grad_step = jax.jit(lambda state, batch, rng: loss_and_grad(state, state.params, batch, rng),
+                            in_shardings=(state_shardings, rows, replicated),
+                            out_shardings=(replicated, replicated, state_shardings.params))
+    else:  # the user's own step differentiates itself: its grouped convolutions (forward and
+        # backward) are guarded as they come (sharding/grouped_conv.py)
+        step_fn = guard_grouped_convs(recipe.train_step_fn, mesh)
     batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, "dp"))
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings()),
                         in_shardings=(state_shardings, rows, rows, replicated),
                         out_shardings=replicated)
+    by_batch = make_batch_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings())
+    batch_eval_steps = tuple(jax.jit(by_batch, in_shardings=(state_shardings, placed, replicated),
+                                     out_shardings=replicated) for placed in (rows, replicated))
     return Layout(candidate, mesh, plan, state_shardings, batch_sharding, rows, replicated,
-                  train_step, eval_step, source=source, final=final,
-                  stored=stored_layout(plan.permutations, state_shardings), rewrite=rewrite)
+                  train_step, eval_step, *batch_eval_steps, source=source, final=final,
+                  stored=stored_layout(plan.permutations, state_shardings), rewrite=rewrite,
+                  grad_step=grad_step)
 
 
 def lower_train_step(layout, state, abstract_micro_batch, accumulate_grad_batches, rng):

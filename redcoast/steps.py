@@ -14,6 +14,7 @@ import optax
 
 from .errors import LossError
 from .sharding.fusion import fuse_sibling_matmuls
+from .sharding.grouped_conv import guard_grouped_convs
 
 
 # optax.tree.norm replaced optax.global_norm (deprecated since optax 0.2.5)
@@ -84,44 +85,61 @@ def with_frozen_cast(state, compute_dtype):
     return state.replace(frozen_params=cast_floating(state.frozen_params, compute_dtype))
 
 
-def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
-                    rewrite_plan=None, compute_shardings=None, log_grad_norm=False):
-    """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
+def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardings=None,
+                       mesh=None):
+    """``loss_and_grad(state, params, batch, rng) -> (loss, metrics, grads)``: the training
+    loss of one micro-batch and its gradient, as the training step computes them.
 
-    With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
-    the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
-    the first step whose loss was not finite. ``rewrite_plan`` (a ``RewritePlan`` of the
-    parameters' plan, sharding/rewrite_plan.py; used with more than one model shard) runs the
-    loss with sibling matmuls (Q/K/V, gate/up: one input) of the weights the plan splits fused
-    into one, so that under tensor parallelism the backward pass all-reduces their input
-    gradient once, as Megatron-LM does (and the other rewrites of sharding/fusion.py).
-    ``compute_shardings`` (``plan.compute_shardings()``): where the loss
-    uses each parameter (see :func:`gathered`). ``log_grad_norm``
-    adds the global norm of the (averaged) gradient to the metrics as ``grad_norm``.
+    ``rewrite_plan`` (a ``RewritePlan`` of the parameters' plan, sharding/rewrite_plan.py; used
+    with more than one model shard) runs the loss with sibling matmuls (Q/K/V, gate/up: one
+    input) of the weights the plan splits fused into one, so that under tensor parallelism the
+    backward pass all-reduces their input gradient once, as Megatron-LM does (and the other
+    rewrites of sharding/fusion.py). ``compute_shardings`` (``plan.compute_shardings()``):
+    where the loss uses each parameter (see :func:`gathered`). ``mesh``: the mesh the step runs
+    on; its grouped convolutions are then guarded against the partitioner's wrong kernel
+    gradient (sharding/grouped_conv.py).
     """
     def training_loss(p, batch, rng, state):
         return loss_fn(rng, with_frozen_cast(state, compute_dtype),
                        gathered(p, compute_dtype, compute_shardings), batch, True)
 
+    def objective_of(state):
+        fn = lambda p, b, r: training_loss(p, b, r, state)  # noqa: E731
+        return fn if mesh is None else guard_grouped_convs(fn, mesh)
+
     def loss_and_grad(state, params, batch, rng):
         def objective(p):
+            loss = objective_of(state)
             if rewrite_plan is not None and rewrite_plan.blocks > 1:
                 try:
-                    fused = fuse_sibling_matmuls(lambda p_, b_, r_: training_loss(p_, b_, r_, state),
-                                                 rewrite_plan)
-                    return split_loss_output(fused(p, batch, rng))
+                    return split_loss_output(fuse_sibling_matmuls(loss, rewrite_plan)(p, batch, rng))
                 except LossError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a program the rewrite cannot run: as written
                     # the loss's own errors surface from this unfused trace, as written
-                    out = split_loss_output(training_loss(p, batch, rng, state))
+                    out = split_loss_output(loss(p, batch, rng))
                     warnings.warn(f"redcoast could not fuse the loss's sibling matmuls "
                                   f"({type(e).__name__}: {e}); the step runs as written, which "
                                   "may move more bytes between model shards.", stacklevel=2)
                     return out
-            return split_loss_output(training_loss(p, batch, rng, state))
+            return split_loss_output(loss(p, batch, rng))
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return loss, metrics, grads
+
+    return loss_and_grad
+
+
+def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
+                    rewrite_plan=None, compute_shardings=None, log_grad_norm=False, mesh=None):
+    """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
+
+    With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
+    the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
+    the first step whose loss was not finite. ``rewrite_plan``, ``compute_shardings`` and
+    ``mesh``: see :func:`make_loss_and_grad`. ``log_grad_norm`` adds the global norm of the
+    (averaged) gradient to the metrics as ``grad_norm``.
+    """
+    loss_and_grad = make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan, compute_shardings, mesh)
 
     def step(state, batch, rng):
         step_rng = jax.random.fold_in(rng, state.step)
@@ -174,11 +192,14 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
 
 
 def make_eval_step(loss_fn, compute_dtype, compute_shardings=None):
-    """``step(state, batch, mask, rng) -> (sums, count)``: example-weighted loss and metrics.
+    """``step(state, batch, mask, rng) -> (sums, count, spread)``: example-weighted loss and
+    metrics.
 
     ``loss_fn`` is applied to each example as a batch of one (vectorised with ``vmap``), so the
     result is the mean over examples whatever the batch size, and padded rows (``mask`` False)
-    count for nothing.
+    count for nothing. ``spread``: the smallest and largest loss of the real rows (equal losses
+    for different examples hint at a loss defined over the batch, see
+    :func:`make_batch_eval_step`).
     """
     def step(state, batch, mask, rng):
         params = gathered(state.params, compute_dtype, compute_shardings)
@@ -192,6 +213,21 @@ def make_eval_step(loss_fn, compute_dtype, compute_shardings=None):
         weights = mask.astype(jnp.float32)
         sums = {"loss": jnp.sum(losses * weights),
                 **{k: jnp.sum(v * weights) for k, v in metrics.items()}}
-        return sums, jnp.sum(weights)
+        spread = (jnp.min(jnp.where(mask, losses, jnp.inf)), jnp.max(jnp.where(mask, losses, -jnp.inf)))
+        return sums, jnp.sum(weights), spread
+
+    return step
+
+
+def make_batch_eval_step(loss_fn, compute_dtype, compute_shardings=None):
+    """``step(state, batch, rng) -> (sums, count)``: ``loss_fn`` applied to the whole batch, as
+    a loss defined over the batch needs (a contrastive loss is 0 on a batch of one); ``sums``
+    are its loss and metrics times the batch's rows, every row real."""
+    def step(state, batch, rng):
+        params = gathered(state.params, compute_dtype, compute_shardings)
+        loss, metrics = split_loss_output(
+            loss_fn(rng, with_frozen_cast(state, compute_dtype), params, batch, False))
+        rows = jnp.float32(jax.tree_util.tree_leaves(batch)[0].shape[0])
+        return {"loss": loss * rows, **{k: v * rows for k, v in metrics.items()}}, rows
 
     return step

@@ -14,12 +14,13 @@ from tqdm.auto import tqdm
 from . import validate
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
-from .data import (BatchMaker, Stream, epoch_order, examples_by_epoch, is_iterator, is_sequence,
-                   padded_batches, prefetch)
-from .errors import ConfigError, DataError, NonFiniteLossError
+from .data import (BatchMaker, Stream, check_collated, epoch_order, examples_by_epoch, is_iterator,
+                   is_sequence, padded_batches, prefetch, take)
+from .errors import ConfigError, DataError, LayoutCheckError, NonFiniteLossError
 from .host import to_host
 from .layout import (Candidate, Recipe, build_layout, choose_layout, frozen_shardings,
                      lower_train_step, placed_on, shape_plan)
+from .layout_check import check_layout
 from .predictor import Predictor
 from .preemption import PreemptionGuard
 from .sharding.dataflow import FALLBACK
@@ -51,13 +52,25 @@ class Trainer:
     redcoast/lora.py): placed on the mesh (as given where they already are, else by a plan from
     their shapes), passed to each step as an input, never differentiated, given no optimizer
     state and not checkpointed; ``loss_fn`` reads them as ``state.frozen_params``.
+    ``eval_by``: how evaluation applies ``loss_fn``. ``'example'``: to one example at a time, so
+    the result is the exact mean over examples whatever the batch size (the paper's; padded
+    rows count for nothing). ``'batch'``: to whole batches, weighted by their rows, for a loss
+    defined over the batch (a contrastive loss is 0 on one example); the last, smaller batch is
+    evaluated as it is. None (the default): 'example', unless the first evaluation batch gives
+    every example alone the same loss and the whole batch another (then 'batch', said in the log).
     """
 
     def __init__(self, deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
                  compute_dtype=jnp.float32, train_step_fn=None, fsdp=None, fuse_matmuls=None,
-                 log_grad_norm=False, frozen_params=None):
+                 log_grad_norm=False, frozen_params=None, eval_by=None):
         validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn)
+        if eval_by not in (None, "example", "batch"):
+            raise ConfigError(f"eval_by={eval_by!r}; it must be 'example' (loss_fn applied to "
+                              "one example at a time, the exact mean over examples), 'batch' "
+                              "(to whole batches: a loss defined over the batch, such as a "
+                              "contrastive one) or None (decided at the first evaluation).")
+        self._eval_by = eval_by
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                               "positive integer.")
@@ -370,24 +383,72 @@ class Trainer:
         return cost
 
     def _evaluate(self, examples, per_device_batch_size, desc=None):
-        """Means over examples of the loss and metrics, every example counted exactly once."""
+        """Means over examples of the loss and metrics, every example counted exactly once:
+        ``loss_fn`` applied to one example at a time, or to whole batches (``eval_by``)."""
         def first_batch(mesh):
             global_batch = per_device_batch_size * mesh.shape["dp"]
             return BatchMaker(mesh, self.collate_fn, global_batch).make(
                 examples, next(padded_batches(len(examples), global_batch))[0])
 
         self._settle_layout(first_batch)
+        if self._eval_by == "batch":
+            return self._evaluate_by_batch(examples, per_device_batch_size)
         global_batch = self.global_batch_size(per_device_batch_size)
         maker = BatchMaker(self.mesh, self.collate_fn, global_batch)
-        batches = prefetch((maker.make(examples, idx), maker.padding_mask(n_real))
+        batches = prefetch((maker.make(examples, idx), maker.padding_mask(n_real), idx, n_real)
                            for idx, n_real in padded_batches(len(examples), global_batch))
         totals, count = None, 0.0
-        for batch, mask in batches:
-            sums, n = self.layout.eval_step(self._state, batch, mask, self._eval_rng)
+        for batch, mask, idx, n_real in batches:
+            sums, n, spread = self.layout.eval_step(self._state, batch, mask, self._eval_rng)
+            if self._eval_by is None:  # the first evaluation: is the loss defined per example?
+                self._eval_by = self._eval_mode(examples, idx, n_real, batch, sums, spread)
+                if self._eval_by == "batch":
+                    return self._evaluate_by_batch(examples, per_device_batch_size)
             totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
             count = count + n
         totals, count = to_host((totals, count))
         return {k: float(v) / float(count) for k, v in totals.items()}
+
+    def _eval_mode(self, examples, idx, n_real, batch, sums, spread):
+        """"batch" where ``loss_fn`` is defined over the batch: every example alone gives the
+        same loss (a contrastive loss gives 0) but the whole batch another; else "example"."""
+        low, high, total = (float(x) for x in to_host((*spread, sums["loss"])))
+        if n_real < 2 or high - low > 1e-6 * max(abs(low), abs(high), 1e-30):
+            return "example"
+        whole, n = self._batch_sums(examples, idx, n_real, batch)
+        batch_loss = float(to_host(whole["loss"])) / float(n)
+        if abs(batch_loss - total / n_real) <= 1e-5 * max(abs(batch_loss), 1e-6):
+            return "example"
+        self.deployer.log_info(
+            f"loss_fn gives every example of the first evaluation batch alone the same loss "
+            f"({low:.6g}) but the batch {batch_loss:.6g}: it is defined over the batch, so "
+            "evaluation applies it to whole batches (the last, smaller batch as it is). Pass "
+            "Trainer(..., eval_by='batch') to say so, or eval_by='example' to keep the mean "
+            "over single examples.")
+        return "batch"
+
+    def _evaluate_by_batch(self, examples, per_device_batch_size):
+        """Means of ``loss_fn`` over whole batches, weighted by their rows; the last, smaller
+        batch is collated whole on every process and placed replicated, never padded."""
+        global_batch = self.global_batch_size(per_device_batch_size)
+        maker = BatchMaker(self.mesh, self.collate_fn, global_batch)
+        totals, count = None, 0.0
+        for idx, n_real in padded_batches(len(examples), global_batch):
+            batch = maker.make(examples, idx) if n_real == global_batch else None
+            sums, n = self._batch_sums(examples, idx, n_real, batch)
+            totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+            count = count + n
+        totals, count = to_host((totals, count))
+        return {k: float(v) / float(count) for k, v in totals.items()}
+
+    def _batch_sums(self, examples, idx, n_real, batch):
+        """``loss_fn`` on one whole batch (``batch``, placed; or, when the batch is the last and
+        smaller one, its ``n_real`` examples of ``idx`` collated whole and placed replicated)."""
+        if n_real == len(idx):
+            return self.layout.batch_eval_step(self._state, batch, self._eval_rng)
+        rest = check_collated(self.collate_fn(take(examples, idx[:n_real])), n_real)
+        return self.layout.remainder_eval_step(self._state, jax.device_put(rest, self.layout.replicated),
+                                               self._eval_rng)
 
     def eval_loss(self, examples, per_device_batch_size, desc=None):
         """The mean loss over ``examples`` (loss_fn called with ``is_training=False``)."""
@@ -401,6 +462,37 @@ class Trainer:
     def save_params(self, path):
         """Write the current parameters as a safetensors file (readable without redcoast)."""
         save_params(self.params, path)
+
+    def check_layout(self, examples, per_device_batch_size, rtol=None):
+        """Check the layout this trainer runs in (chosen now if not yet) against one device:
+        the loss, metrics and gradients of the first ``per_device_batch_size`` x data shards
+        of ``examples`` (a sequence), computed as the training step computes them and by
+        ``loss_fn`` as written on one device of this process (the model must fit it). Returns a
+        :class:`~redcoast.layout_check.LayoutCheck` naming the worst leaf; raises
+        :class:`~redcoast.layout_check.LayoutCheckError` where an error is above ``rtol``
+        (default 1e-4 in float32 compute, 5e-2 in 16-bit). Nothing is trained."""
+        if not is_sequence(examples):
+            raise ConfigError(f"check_layout takes a sequence of examples (a list, a Dataset), "
+                              f"not {type(examples).__name__}. Fix: pass list(...) of a few batches.")
+
+        def micro_batch(mesh):
+            n = per_device_batch_size * mesh.shape["dp"]
+            if len(examples) < n:
+                raise ConfigError(f"check_layout needs {n} examples (per_device_batch_size="
+                                  f"{per_device_batch_size} x {mesh.shape['dp']} data shards); "
+                                  f"{len(examples)} were given.")
+            return BatchMaker(mesh, self.collate_fn, n).make(examples, np.arange(n))
+
+        self._settle_layout(micro_batch)
+        report = check_layout(self.layout, self.recipe, self._state, micro_batch(self.mesh),
+                              self._train_rng, rtol)
+        if not report.ok:
+            raise LayoutCheckError(
+                f"{report}\nThis is a bug in redcoast's layout (please report it with this "
+                "message). Until it is fixed, train in a layout that passes this check: try "
+                "fuse_matmuls=False, then fsdp=False, then n_model_shards=1.")
+        self.deployer.log_info(str(report))
+        return report
 
     # ----------------------------------------------------------------------------- checkpoints
 

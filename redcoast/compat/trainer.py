@@ -114,7 +114,8 @@ class Trainer(core.Trainer):
             self, self.deployer, self.collate_fn, apply_fn, self.loss_fn, params, optimizer,
             lr_schedule_fn=self.lr_schedule_fn, accumulate_grad_batches=self.accumulate_grad_batches,
             params_sharding_rules=self.params_sharding_rules, compute_dtype=self.compute_dtype,
-            train_step_fn=self.train_step_fn, fsdp=self.fsdp, fuse_matmuls=self.fuse_matmuls)
+            train_step_fn=self.train_step_fn, fsdp=self.fsdp, fuse_matmuls=self.fuse_matmuls,
+            eval_by=self._eval_by)
         if opt_state is not None:
             self._set_opt_state(opt_state)
         self._set_step(int(step))

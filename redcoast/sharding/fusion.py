@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import kv_repeat, weight_origins
-from .jaxpr_tools import output_axes, read_once, readers
+from .jaxpr_tools import bind, output_axes, read_once, readers
 from .paths import leaves_with_paths
 from .rewrite_plan import RewritePlan, WeightSplit
 
@@ -491,13 +491,7 @@ def _bind(eqn, vals, plan=None, in_origins=None):
             return list(run(*vals))
     if plan is not None and name == "scan":  # a stacked weight's body input: one layer's slice
         params["jaxpr"] = _fused_closed(params["jaxpr"], plan, weight_origins.scan_body(eqn, in_origins))
-    bind_params = eqn.primitive.get_bind_params(params)  # as jax.core.eval_jaxpr does
-    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
-        subfuns, bind_params = bind_params
-        vals = [*subfuns, *vals]
-    with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*vals, **bind_params)
-    return outs if eqn.primitive.multiple_results else [outs]
+    return bind(eqn, vals, params)
 
 
 def _fused_closed(closed, plan, in_origins):

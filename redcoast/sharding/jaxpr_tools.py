@@ -62,3 +62,15 @@ def scan_operand_groups(eqn):
             f"{sorted(params)}, which redcoast cannot read; redcoast needs an update for it "
             "(sharding/jaxpr_tools.scan_operand_groups).")
     return groups
+
+
+def bind(eqn, vals, params=None):
+    """Run ``eqn`` (with its own ``params``, or these) on ``vals``, as ``jax.core.eval_jaxpr``
+    does: a list of outputs."""
+    bind_params = eqn.primitive.get_bind_params(dict(eqn.params) if params is None else params)
+    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
+        subfuns, bind_params = bind_params
+        vals = [*subfuns, *vals]
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*vals, **bind_params)
+    return outs if eqn.primitive.multiple_results else [outs]
