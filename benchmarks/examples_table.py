@@ -47,7 +47,7 @@ def main(argv):
     for name in names:
         paradigm, redco_name, redco_lines = EXAMPLES[name]
         lines = sum(1 for _ in open(ROOT / "examples" / name / "main.py"))
-        metrics, seconds = run_example(name, tiny=not full)
+        metrics, seconds = run_example(name, tiny=not full, check_layout=False)
         print(f"| `{name}` | {paradigm} | {lines} / {redco_lines} | {_format(metrics)} | "
               f"{seconds:.0f} s |", flush=True)
 

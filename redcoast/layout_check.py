@@ -65,13 +65,16 @@ class LayoutCheck:
 
 def relative_errors(values, reference, prefix=""):
     """``[(name, error)]`` worst first, over the leaves of two trees of one structure: the
-    largest absolute difference over the largest magnitude of the reference leaf, floored at a
-    millionth of the largest over all leaves (a leaf whose true value is 0, such as the gradient
-    of a key bias under softmax, holds only rounding noise)."""
+    largest absolute difference over the largest magnitude of the reference leaf, or over a
+    thousandth of the largest magnitude of all leaves where that is more. A leaf whose true
+    value is 0 or nearly (the gradient of a key bias, which softmax ignores) holds only the
+    rounding noise of a cancellation, which differs with the summation order of each layout:
+    measured against itself it looks wrong (2e-4 on OPT and ViT at 2 x 4); a wrong gradient
+    (a factor of the shard count, a missing sum) is off by its own size."""
     pairs = [(prefix + path_to_str(p), np.asarray(a, np.float64), np.asarray(b, np.float64))
              for (p, a), (_, b) in zip(leaves_with_paths(values), leaves_with_paths(reference))]
     scale = max((float(np.max(np.abs(b))) for _, _, b in pairs if b.size), default=0.0)
-    floor = max(scale * 1e-6, np.finfo(np.float32).tiny)
+    floor = max(scale * 1e-3, np.finfo(np.float32).tiny)
     out = [(name, float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), floor))
            for name, a, b in pairs if b.size]
     return sorted(out, key=lambda x: -x[1])

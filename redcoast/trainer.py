@@ -71,6 +71,7 @@ class Trainer:
                               "(to whole batches: a loss defined over the batch, such as a "
                               "contrastive one) or None (decided at the first evaluation).")
         self._eval_by = eval_by
+        self._layout_checked = False  # by check_layout, or by train/fit(check_layout=True)
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                               "positive integer.")
@@ -262,7 +263,7 @@ class Trainer:
                                 self.accumulate_grad_batches, self._train_rng).compile()
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
-              log_every_n_steps=10, start_position=0, after_step=None):
+              log_every_n_steps=10, start_position=0, after_step=None, check_layout=False):
         """One pass over ``examples`` from update ``start_position`` of the epoch on: a sequence
         is shuffled from the seed and ``epoch``; any other iterable (a generator, a
         ``datasets.IterableDataset``, a :class:`~redcoast.data.Stream`) is read in order until it
@@ -271,6 +272,8 @@ class Trainer:
 
         ``after_step(position)`` runs after each update (``position`` updates of this epoch
         done); if it returns True the epoch stops there. Returns the position reached.
+        ``check_layout=True``: the layout is checked against one device on the first batch
+        before the first update this trainer runs (:meth:`check_layout`).
         """
         validate.positive_int("log_every_n_steps", log_every_n_steps)
         k = self.accumulate_grad_batches
@@ -279,8 +282,12 @@ class Trainer:
         order = None if stream is not None else epoch_order(len(examples), self.deployer.jax_seed,
                                                             epoch, shuffle)
         # a stream's first examples are read ahead and kept (the skip below may consume them)
-        self._settle_layout(lambda mesh: self._first_batch(examples if stream is None else stream, order,
-                                                           per_device_batch_size, mesh))
+        def first_batch(mesh):
+            return self._first_batch(examples if stream is None else stream, order,
+                                     per_device_batch_size, mesh)
+        self._settle_layout(first_batch)
+        if check_layout and not self._layout_checked:
+            self._check_layout_on(first_batch(self.mesh), rtol=None)
         global_batch = self.global_batch_size(per_device_batch_size)
         per_update = global_batch * k
         if stream is None:
@@ -484,8 +491,12 @@ class Trainer:
             return BatchMaker(mesh, self.collate_fn, n).make(examples, np.arange(n))
 
         self._settle_layout(micro_batch)
-        report = check_layout(self.layout, self.recipe, self._state, micro_batch(self.mesh),
-                              self._train_rng, rtol)
+        return self._check_layout_on(micro_batch(self.mesh), rtol)
+
+    def _check_layout_on(self, batch, rtol):
+        """Check the current layout on one micro-batch (placed); raise if it fails."""
+        report = check_layout(self.layout, self.recipe, self._state, batch, self._train_rng, rtol)
+        self._layout_checked = True
         if not report.ok:
             raise LayoutCheckError(
                 f"{report}\nThis is a bug in redcoast's layout (please report it with this "
@@ -535,7 +546,8 @@ class Trainer:
             eval_metric_fn=None, save_every_n_steps=None, save_every_k_epochs=None,
             save_last_ckpt=False, save_argmin_ckpt_by_metrics=None,
             save_argmax_ckpt_by_metrics=None, keep_last_n_ckpts=None, resume=True,
-            log_every_n_steps=10, shuffle=True, max_steps=None, eval_every_n_steps=None):
+            log_every_n_steps=10, shuffle=True, max_steps=None, eval_every_n_steps=None,
+            check_layout=False):
         """Train for ``n_epochs`` (or until ``max_steps`` updates in all, whichever comes first;
         ``n_epochs=None`` with ``max_steps``: as many epochs as that takes), evaluating after each
         epoch, every ``eval_every_n_steps`` updates and at ``max_steps``, saving and resuming as
@@ -553,7 +565,8 @@ class Trainer:
         keep the best by an eval result ('loss' or a key of ``eval_metric_fn``'s dict). With
         ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
         exactly as if it had never stopped (a stream is started afresh and the examples already
-        trained on skipped).
+        trained on skipped). ``check_layout=True``: before the first update, the layout is
+        checked against one device on the first batch (see :meth:`check_layout`).
         """
         validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
                           eval_per_device_batch_size, save_every_n_steps, save_every_k_epochs,
@@ -677,7 +690,8 @@ class Trainer:
                         position = self.train(train_examples, per_device_batch_size, epoch=epoch,
                                               shuffle=shuffle, desc=f"epoch {epoch + 1}{of}",
                                               log_every_n_steps=log_every_n_steps,
-                                              start_position=position, after_step=after_step)
+                                              start_position=position, after_step=after_step,
+                                              check_layout=check_layout)
                     # a stream's end is known only once read: stopped early, it may hold more
                     finished = not stopped or position == n_steps
                     if not finished and stopped[0] == "signal":

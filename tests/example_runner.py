@@ -15,8 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_example(name, *args, timeout=None, tiny=True):
-    """Run ``examples/<name>/main.py --tiny *args`` (without ``--tiny`` if not ``tiny``);
+def run_example(name, *args, timeout=None, tiny=True, check_layout=True):
+    """Run ``examples/<name>/main.py --tiny --check-layout *args`` (without ``--tiny`` if not
+    ``tiny``, without ``--check-layout``, the layout checked against one device before training,
+    if not ``check_layout``);
     return ``(metrics, seconds)``.
 
     Raises ``AssertionError`` with the example's output when it fails.
@@ -28,7 +30,7 @@ def run_example(name, *args, timeout=None, tiny=True):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the example chooses its devices itself, as it would for a user
     command = [sys.executable, str(ROOT / "examples" / name / "main.py"), *(["--tiny"] if tiny else []),
-               "--metrics-out", str(metrics_path), *args]
+               "--metrics-out", str(metrics_path), *(["--check-layout"] if check_layout else []), *args]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout or (900 if tiny else None))

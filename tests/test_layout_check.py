@@ -9,6 +9,7 @@ step whose gradients are compared.
 import importlib.util
 import os
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -76,3 +77,16 @@ def test_too_few_examples_and_a_stream_are_refused():
         t.check_layout(examples(), 16)
     with pytest.raises(ConfigError, match="sequence of examples"):
         t.check_layout(iter(examples()), 1)
+
+
+def test_fit_checks_the_layout_before_the_first_update(monkeypatch):
+    bind = redcoast.sharding.fusion._bind_fused_dot
+    monkeypatch.setattr(redcoast.sharding.fusion, "_bind_fused_dot",
+                        lambda *a, **k: bind(*a, **k) * 1.001)
+    t = trainer_for("llama")
+    before = jax.device_get(t.params)
+    with pytest.raises(LayoutCheckError, match="q_proj"):
+        t.fit(examples(), zoo.B // 2, n_epochs=1, check_layout=True)
+    assert t.step == 0
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(t.params)):
+        np.testing.assert_array_equal(a, b)

@@ -115,6 +115,8 @@ def main():
     parser.add_argument("--task", choices=["classification", "regression"], default="classification")
     parser.add_argument("--tiny", action="store_true", help="a CI-sized run")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "classification"))
     parser.add_argument("--n-model-shards", type=int, default=2)
     args = parser.parse_args()
@@ -148,7 +150,7 @@ def main():
     untrained = metric_fn(valid, predictor.predict(valid, batch_size, trainer.params))
     metrics.update({f"untrained_{k}": v for k, v in untrained.items()})
     trainer.fit(train, per_device_batch_size=batch_size, n_epochs=n_epochs, eval_examples=valid,
-                eval_predictor=predictor, eval_metric_fn=metric_fn)
+                eval_predictor=predictor, eval_metric_fn=metric_fn, check_layout=args.check_layout)
     metrics.update(history[-1])  # the last epoch's evaluation
     print(json.dumps(metrics, indent=1))
     for ex, pred in list(zip(valid, predictor.predict(valid[:8], batch_size, trainer.params)))[:4]:

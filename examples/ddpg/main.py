@@ -122,6 +122,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a short run for CI")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "ddpg"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -170,7 +172,8 @@ def main():
             next_q = np.array(target_predictor.predict(  # all 50 minibatches in one batch
                 transitions, UPDATE_EVERY * PER_DEVICE_BATCH_SIZE, target))
             transitions[:, 9] = transitions[:, 4] + GAMMA * (1 - transitions[:, 8]) * next_q
-            trainer.train(transitions, PER_DEVICE_BATCH_SIZE, epoch=step, shuffle=False)
+            trainer.train(transitions, PER_DEVICE_BATCH_SIZE, epoch=step, shuffle=False,
+                          check_layout=args.check_layout)
             trained = jax.device_get(trainer.params)
             target = jax.tree_util.tree_map(lambda t, p: (1 - tau) * t + tau * p, target, trained)
             actor_params = trained["actor"]

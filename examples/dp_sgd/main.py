@@ -131,6 +131,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a CI-sized run (under a minute)")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "dp_sgd"))
     parser.add_argument("--epsilon", type=float, default=4.0, help="the privacy budget to spend")
     parser.add_argument("--delta", type=float, default=1e-5)
@@ -179,7 +181,8 @@ def main():
 
     untrained = test_accuracy()
     trainer.fit(examples_of_epoch, per_device_batch_size=batch_size // rows, n_epochs=n_epochs,
-                eval_examples=test_examples, shuffle=False, resume=False)
+                eval_examples=test_examples, shuffle=False, resume=False,
+                check_layout=args.check_layout)
     metrics = {"test_accuracy": test_accuracy(), "untrained_test_accuracy": untrained,
                "chance_accuracy": 0.1, "epsilon": epsilon_spent(sigma, args.delta, q, n_steps),
                "target_epsilon": args.epsilon, "delta": args.delta, "noise_multiplier": sigma,

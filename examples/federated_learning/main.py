@@ -76,11 +76,11 @@ def accuracy(predictor, params, examples):
     return float(np.mean(preds == np.array([e["label"] for e in examples])))
 
 
-def local_training(trainer, global_params, examples, n_epochs, first_epoch):
+def local_training(trainer, global_params, examples, n_epochs, first_epoch, check_layout=False):
     """One client's update: from the global model, ``n_epochs`` over its own examples."""
     trainer.set_params(global_params)
     for epoch in range(first_epoch, first_epoch + n_epochs):
-        trainer.train(examples, PER_DEVICE_BATCH_SIZE, epoch=epoch)
+        trainer.train(examples, PER_DEVICE_BATCH_SIZE, epoch=epoch, check_layout=check_layout)
     return jax.device_get(trainer.params)
 
 
@@ -95,6 +95,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a short run for CI")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "federated_learning"))
     parser.add_argument("--n-clients", type=int, default=10)
     parser.add_argument("--local-epochs", type=int, default=2)
@@ -126,7 +128,8 @@ def main():
     global_params = initial
     for round_idx in range(n_rounds):
         updates = [local_training(trainer, global_params, examples, args.local_epochs,
-                                  first_epoch=round_idx * args.local_epochs)
+                                  first_epoch=round_idx * args.local_epochs,
+                                  check_layout=args.check_layout)
                    for examples in clients]
         global_params = weighted_average(updates, [len(c) for c in clients])
         acc = accuracy(predictor, global_params, test_examples)

@@ -68,6 +68,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a CI-sized run (under a minute)")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "image_classification"))
     parser.add_argument("--per-device-batch-size", type=int, default=16)
     parser.add_argument("--n-epochs", type=int, default=None)
@@ -92,7 +94,7 @@ def main():
     untrained = test_accuracy()
     trainer.fit(train_examples, per_device_batch_size=args.per_device_batch_size,
                 n_epochs=n_epochs, eval_examples=test_examples, eval_predictor=predictor,
-                eval_metric_fn=eval_metric_fn, resume=False)
+                eval_metric_fn=eval_metric_fn, resume=False, check_layout=args.check_layout)
     metrics = {"test_accuracy": test_accuracy(), "untrained_test_accuracy": untrained,
                "chance_accuracy": 0.1,
                "n_epochs": n_epochs, "n_data_shards": deployer.n_data_shards}

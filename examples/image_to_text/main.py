@@ -124,6 +124,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a CI-sized run (about a minute)")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "image_to_text"))
     parser.add_argument("--n-model-shards", type=int, default=2)
     parser.add_argument("--per-device-batch-size", type=int, default=16)
@@ -158,7 +160,7 @@ def main():
 
     trainer.fit(train_examples, per_device_batch_size=args.per_device_batch_size,
                 n_epochs=n_epochs, eval_examples=eval_examples, eval_predictor=predictor,
-                eval_metric_fn=caption_metrics, resume=False)
+                eval_metric_fn=caption_metrics, resume=False, check_layout=args.check_layout)
     captions, trained = scores(trainer.params)
     _, untrained = scores(model.init(seed=0))  # the parameters training started from
     for ex, caption in list(zip(eval_examples, captions))[:6]:

@@ -80,6 +80,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a CI-sized run")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "language_modeling"))
     parser.add_argument("--n-model-shards", type=int, default=4)
     args = parser.parse_args()
@@ -103,7 +105,7 @@ def main():
     start = trainer.eval_loss(valid, per_device_batch_size)
     deployer.log_info(f"pretrained eval loss {start:.3f} (perplexity {math.exp(start):.1f})")
     trainer.fit(train, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
-                log_every_n_steps=1)
+                log_every_n_steps=1, check_layout=args.check_layout)
     end = trainer.eval_loss(valid, per_device_batch_size)
     metrics = {"pretrained_eval_loss": start, "eval_loss": end,
                "pretrained_perplexity": math.exp(start), "perplexity": math.exp(end),

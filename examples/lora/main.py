@@ -105,6 +105,8 @@ def main():
     parser.add_argument("--workdir", default="workdir/lora")
     parser.add_argument("--export", default=None, help="also write a merged Hugging Face folder")
     parser.add_argument("--metrics-out", default=None)
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     args = parser.parse_args()
     n_train, n_eval, n_epochs, longest = (48, 16, 1, 5) if args.tiny else (512, 64, 1, 7)
     per_device_batch_size = 2
@@ -131,7 +133,7 @@ def main():
     before = trainer.eval_loss(eval_examples, per_device_batch_size)
     print(f"eval loss before: {before:.3f}")
     trainer.fit(train_examples, per_device_batch_size, n_epochs, eval_examples=eval_examples,
-                log_every_n_steps=2, resume=False)
+                log_every_n_steps=2, resume=False, check_layout=args.check_layout)
     after = trainer.eval_loss(eval_examples, per_device_batch_size)
     print(f"eval loss after {trainer.step} steps: {after:.3f} (before {before:.3f}); "
           f"{time.time() - start:.0f} s in all")

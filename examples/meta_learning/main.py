@@ -93,6 +93,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a short run for CI")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "meta_learning"))
     parser.add_argument("--first-order", action="store_true", help="first-order MAML")
     parser.add_argument("--n-shots", type=int, default=10)
@@ -117,7 +119,7 @@ def main():
     predict_zero = float(np.mean([np.mean(task["query_y"] ** 2) for task in eval_tasks]))
     deployer.log_info(f"held-out query MSE after adaptation, before meta-training: {before:.3f}")
     trainer.fit(train_tasks, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
-                eval_examples=eval_tasks, resume=False)
+                eval_examples=eval_tasks, resume=False, check_layout=args.check_layout)
     after = trainer.eval_loss(eval_tasks, per_device_batch_size)
     deployer.log_info(f"held-out query MSE after adaptation: {after:.3f} (before meta-training "
                       f"{before:.3f})")

@@ -135,6 +135,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a short run for CI")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "ppo"))
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     args = parser.parse_args()
@@ -162,7 +164,7 @@ def main():
         first_returns = first_returns or list(returns)
         for epoch in range(N_EPOCHS_PER_ITERATION):  # epoch: the shuffle's seed
             trainer.train(transitions, PER_DEVICE_BATCH_SIZE,
-                          epoch=it * N_EPOCHS_PER_ITERATION + epoch)
+                          epoch=it * N_EPOCHS_PER_ITERATION + epoch, check_layout=args.check_layout)
         recent = np.mean(returns[-20:]) if returns else float("nan")
         print(f"iteration {it + 1}/{n_iterations}: {len(returns)} episodes, mean return of the "
               f"last 20 {recent:.1f}")

@@ -109,6 +109,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a CI-sized run")
     parser.add_argument("--metrics-out", help="write the final metrics here as JSON")
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch (Trainer.check_layout)")
     parser.add_argument("--workdir", default=os.path.join("workdir", "text_to_text"))
     parser.add_argument("--n-model-shards", type=int, default=2)
     parser.add_argument("--num-beams", type=int, default=4)
@@ -135,7 +137,8 @@ def main():
 
     untrained = rouge(valid, predictor.predict(valid, per_device_batch_size, trainer.params))
     trainer.fit(train, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
-                eval_examples=valid, eval_predictor=predictor, eval_metric_fn=rouge)
+                eval_examples=valid, eval_predictor=predictor, eval_metric_fn=rouge,
+                check_layout=args.check_layout)
     predictions = predictor.predict(valid, per_device_batch_size, trainer.params)
     metrics = {**rouge(valid, predictions), **{f"untrained_{k}": v for k, v in untrained.items()},
                "exact_match": float(np.mean([p == ex["target"] for ex, p in zip(valid, predictions)]))}
