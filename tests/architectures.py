@@ -516,5 +516,47 @@ def lora(n_layers=2, seed=0, r=8):
     return Arch("lora", params, loss, _tokens(), {4: exp, 2: exp})
 
 
+# ---- 13. block-sparse attention: per-head key/value blocks gathered by a table (BigBird-like) -----
+def block_sparse(n_layers=2, seed=0, block=2, picks=2):
+    """Each query block reads ``picks`` key blocks chosen per head: its own and one earlier one.
+    K and V blocks are gathered per head and example with ``jnp.take_along_axis``: a gather with
+    operand batching dimensions (batch, heads), which must keep the heads split."""
+    w = _Init(seed)
+    nb = T // block
+    rng = np.random.default_rng(seed + 1)
+    table = np.array([[[i, rng.integers(0, i + 1)] for i in range(nb)] for _ in range(NH)], np.int32)
+    kpos = (table[..., None] * block + np.arange(block)).reshape(NH, nb, picks * block)
+    qpos = np.arange(T).reshape(nb, block)
+    mask = kpos[:, :, None, :] <= qpos[None, :, :, None]  # (heads, query block, query, key): causal
+    params = {"emb": w(V, H), "layers": [
+        {"ln1": w.ones(H), "wq": w(H, H), "wk": w(H, H), "wv": w(H, H), "wo": w(H, H),
+         "ln2": w.ones(H), "up": w(H, F), "down": w(F, H)} for _ in range(n_layers)], "ln_f": w.ones(H)}
+
+    def blocks(x):  # (b, t, heads * hd) -> (b, heads, blocks, block, hd)
+        return heads(x).reshape(x.shape[0], nb, block, NH, HD).transpose(0, 3, 1, 2, 4)
+
+    def gather(x):  # (b, heads, blocks, block, hd) -> (b, heads, blocks, picks * block, hd)
+        idx = jnp.broadcast_to(table.reshape(1, NH, nb * picks, 1, 1), (x.shape[0], NH, nb * picks, 1, 1))
+        return jnp.take_along_axis(x, idx, axis=2).reshape(x.shape[0], NH, nb, picks * block, HD)
+
+    def attention(lyr, x):
+        q, k, v = blocks(x @ lyr["wq"]), gather(blocks(x @ lyr["wk"])), gather(blocks(x @ lyr["wv"]))
+        s = jnp.where(mask, jnp.einsum("bhnqd,bhnkd->bhnqk", q, k) / np.sqrt(HD), -1e9)
+        o = jnp.einsum("bhnqk,bhnkd->bhnqd", jax.nn.softmax(s, -1), v)
+        return o.transpose(0, 2, 3, 1, 4).reshape(x.shape) @ lyr["wo"]
+
+    def loss(p, batch):
+        h = p["emb"][batch["inputs"]]
+        for lyr in p["layers"]:
+            h = h + attention(lyr, rms_norm(h, lyr["ln1"]))
+            h = h + jax.nn.gelu(rms_norm(h, lyr["ln2"]) @ lyr["up"]) @ lyr["down"]
+        return cross_entropy(rms_norm(h, p["ln_f"]) @ p["emb"].T, batch["targets"])
+
+    exp = {"layers/0/wq": COL, "layers/0/wk": COL, "layers/0/wv": COL, "layers/0/wo": ROW,
+           "layers/0/up": COL, "layers/0/down": ROW, "layers/0/ln1": REP, "emb": ROW}
+    return Arch("block_sparse", params, loss, _tokens(), {4: exp, 2: exp})
+
+
 ARCHITECTURES = {f.__name__: f for f in (plain_jax, flax_linen, flax_nnx, transposed, fused_qkv, gqa, mqa,
-                                         moe, encoder_decoder, scan_stacked, gpt2, bert, lora)}
+                                         moe, encoder_decoder, scan_stacked, gpt2, bert, lora,
+                                         block_sparse)}

@@ -5,7 +5,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from architectures import B, H, T, bert, flax_nnx, gqa, moe, plain_jax, scan_stacked
+from architectures import B, H, T, bert, block_sparse, flax_nnx, gqa, moe, plain_jax, scan_stacked
 from redcoast import Deployer, Trainer
 from redcoast.comms import megatron_ideal, per_layer
 
@@ -20,12 +20,14 @@ def _trainer_step(make_arch, depth, n_model_shards, fuse=True):
     return trainer.compile_train_step(arch.batch), deployer.mesh
 
 
-@pytest.mark.parametrize("make_arch, n", [(plain_jax, 4), (flax_nnx, 4), (gqa, 2), (bert, 4)],
-                         ids=["plain_jax", "flax_nnx", "gqa-q-wider-than-kv", "bert-2-row-types"])
+@pytest.mark.parametrize("make_arch, n", [(plain_jax, 4), (flax_nnx, 4), (gqa, 2), (bert, 4), (block_sparse, 4)],
+                         ids=["plain_jax", "flax_nnx", "gqa-q-wider-than-kv", "bert-2-row-types",
+                              "block-sparse-per-head-gather"])
 def test_separate_q_k_v_and_gate_up_reach_megatron_traffic_through_the_trainer(make_arch, n):
     # Separate Q/K/V matmuls: placement alone moves 1.5x Megatron's bytes (test_dataflow);
     # the Trainer fuses sibling matmuls (grouped-query Q with its narrower K/V too), so its step
-    # moves exactly the ideal.
+    # moves exactly the ideal. Block-sparse attention gathers K/V blocks per head: with the heads
+    # split through the gather it moves the ideal too (1.5x with K and V replicated).
     mesh = _trainer_step(make_arch, 2, n)[1]
     layer = per_layer(lambda depth: _trainer_step(make_arch, depth, n)[0], mesh)
     ideal = megatron_ideal(B // (jax.device_count() // n), T, H, n)
