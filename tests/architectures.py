@@ -557,6 +557,74 @@ def block_sparse(n_layers=2, seed=0, block=2, picks=2):
     return Arch("block_sparse", params, loss, _tokens(), {4: exp, 2: exp})
 
 
+# ---- 14. GPT-J: parallel block, interleaved rotary embedding on part of each head (HF's Flax code) --
+def _sinusoidal_positions(num_pos, dim):  # transformers' Flax GPT-J, as written there
+    inv_freq = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
+    sinusoid_inp = np.einsum("i , j -> i j", np.arange(num_pos), inv_freq).astype("float32")
+    sin, cos = np.sin(sinusoid_inp), np.cos(sinusoid_inp)
+    sentinel = dim // 2 + dim % 2
+    out = np.zeros((num_pos, dim))
+    out[:, 0:sentinel] = sin
+    out[:, sentinel:] = cos
+    return jnp.array(out)
+
+
+def _rotate_every_two(tensor):  # the even and odd halves of head_dim stacked: the 'stack' primitive
+    rotate_half_tensor = jnp.stack((-tensor[:, :, :, 1::2], tensor[:, :, :, ::2]), axis=-1)
+    rotate_half_tensor = rotate_half_tensor.reshape(rotate_half_tensor.shape[:-2] + (-1,))
+    return rotate_half_tensor
+
+
+def _apply_rotary_pos_emb(tensor, sincos):
+    sin_pos, cos_pos = sincos
+    sin_pos = sin_pos[:, :, None, :].repeat(2, 3)
+    cos_pos = cos_pos[:, :, None, :].repeat(2, 3)
+    return (tensor * cos_pos) + (_rotate_every_two(tensor) * sin_pos)
+
+
+def gptj_rotary(n_layers=2, seed=0, rotary_dim=2):
+    """Hugging Face's Flax GPT-J (transformers 4.57): attention and MLP side by side on one norm,
+    rotary embedding on the first ``rotary_dim`` of each head's dimensions, even/odd interleaved
+    by ``jnp.stack``; a split on the heads must pass through the stack."""
+    w = _Init(seed)
+    ln = lambda: {"scale": w.ones(H), "bias": w.zeros(H)}  # noqa: E731
+    params = {"transformer": {"wte": {"embedding": w(V, H)}, "h": {str(i): {
+        "ln_1": ln(), "attn": {n: {"kernel": w(H, H)} for n in ("q_proj", "k_proj", "v_proj", "out_proj")},
+        "mlp": {"fc_in": {"kernel": w(H, F), "bias": w.zeros(F)},
+                "fc_out": {"kernel": w(F, H), "bias": w.zeros(H)}}}
+        for i in range(n_layers)}, "ln_f": ln()},
+        "lm_head": {"kernel": w(H, V), "bias": w.zeros(V)}}
+    table = _sinusoidal_positions(2 * T, rotary_dim)
+
+    def rotary(x, sincos):
+        rot, rest = x[:, :, :, :rotary_dim], x[:, :, :, rotary_dim:]
+        return jnp.concatenate([_apply_rotary_pos_emb(rot, sincos), rest], axis=-1)
+
+    def loss(p, batch):
+        t = p["transformer"]
+        h = t["wte"]["embedding"][batch["inputs"]]
+        sincos = jnp.split(jnp.take(table, jnp.broadcast_to(jnp.arange(T), (B, T)), axis=0), 2, axis=-1)
+        for i in range(n_layers):
+            blk = t["h"][str(i)]
+            a = blk["attn"]
+            x = layer_norm(h, **blk["ln_1"])
+            q, k = (rotary(heads(x @ a[n]["kernel"]), sincos) for n in ("q_proj", "k_proj"))
+            o = merge(attend(q, k, heads(x @ a["v_proj"]["kernel"]))) @ a["out_proj"]["kernel"]
+            m = blk["mlp"]
+            f = jax.nn.gelu(x @ m["fc_in"]["kernel"] + m["fc_in"]["bias"]) @ m["fc_out"]["kernel"]
+            f = f + m["fc_out"]["bias"]
+            h = h + o + f
+        logits = layer_norm(h, **t["ln_f"]) @ p["lm_head"]["kernel"] + p["lm_head"]["bias"]
+        return cross_entropy(logits, batch["targets"])
+
+    b = "transformer/h/0/"
+    exp = {b + "attn/q_proj/kernel": COL, b + "attn/k_proj/kernel": COL, b + "attn/v_proj/kernel": COL,
+           b + "attn/out_proj/kernel": ROW, b + "mlp/fc_in/kernel": COL, b + "mlp/fc_in/bias": ROW,
+           b + "mlp/fc_out/kernel": ROW, b + "mlp/fc_out/bias": REP, b + "ln_1/scale": REP,
+           "transformer/wte/embedding": ROW, "lm_head/kernel": COL, "lm_head/bias": ROW}
+    return Arch("gptj_rotary", params, loss, _tokens(), {4: exp, 2: exp})
+
+
 ARCHITECTURES = {f.__name__: f for f in (plain_jax, flax_linen, flax_nnx, transposed, fused_qkv, gqa, mqa,
                                          moe, encoder_decoder, scan_stacked, gpt2, bert, lora,
-                                         block_sparse)}
+                                         block_sparse, gptj_rotary)}

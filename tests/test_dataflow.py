@@ -53,7 +53,8 @@ def test_key_weights_get_the_megatron_split(name):
 # (name, model shards): each architecture once, on both mesh shapes
 STEP_CASES = [("plain_jax", 4), ("flax_linen", 2), ("flax_nnx", 4), ("transposed", 2), ("fused_qkv", 4),
               ("gqa", 4), ("mqa", 2), ("moe", 4), ("encoder_decoder", 2), ("scan_stacked", 4),
-              ("gpt2", 4), ("bert", 2), ("lora", 4), ("block_sparse", 4)]
+              ("gpt2", 4), ("bert", 2), ("lora", 4), ("block_sparse", 4),
+              ("gptj_rotary", 2)]
 
 
 @pytest.mark.parametrize("name,n", STEP_CASES)
@@ -551,4 +552,32 @@ def test_key_blocks_picked_per_head_keep_the_heads_split(form):
     assert ("operand_batching_dims=()" if form == "window-scatter" else "operand_batching_dims=(") in jaxpr
     specs = specs_of(dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=4))
     assert specs == {"emb": P("mp"), "q": P(None, "mp"), "k": P(None, "mp"), "o": P("mp")}
+    assert_sharded_step_equals_single_device_step(arch, 4)
+
+
+def _rotate_pairs_by_unstack(x):  # interleaved rotary written with unstack/stack: (b, t, h, d)
+    even, odd = jnp.unstack(x.reshape(x.shape[:-1] + (-1, 2)), axis=-1)
+    return jnp.stack((-odd, even), axis=-1).reshape(x.shape)
+
+
+def test_heads_split_through_stack_and_unstack_of_other_axes():
+    # GPT-J's rotary stacks head_dim's even and odd halves: the heads stay split; one layer's
+    # weights unstacked from a stacked tensor are that tensor's slices
+    rng = np.random.default_rng(0)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+    params = {"emb": w(V, H), "q": w(2, H, NH, HD), "k": w(2, H, NH, HD), "o": w(2, NH, HD, H)}
+
+    def loss(p, batch):
+        x = p["emb"][batch["inputs"]]
+        for q, k, o in zip(*(jnp.unstack(p[n]) for n in ("q", "k", "o"))):
+            q, k = (_rotate_pairs_by_unstack(jnp.einsum("btd,dhk->bthk", x, m)) for m in (q, k))
+            s = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+            x = x + jnp.einsum("bhqk,bkhd,hdm->bqm", s, k, o)
+        return jnp.mean(x ** 2)
+
+    arch = types.SimpleNamespace(name="unstacked", params=params, loss=loss, batch=plain_jax().batch)
+    jaxpr = str(jax.make_jaxpr(loss)(params, arch.batch))
+    assert "unstack[" in jaxpr and " stack[" in jaxpr
+    specs = specs_of(dataflow_placements(loss, params, arch.batch, n_model_shards=4))
+    assert specs == {"emb": P("mp"), "q": P(None, None, "mp"), "k": P(None, None, "mp"), "o": P(None, "mp")}
     assert_sharded_step_equals_single_device_step(arch, 4)

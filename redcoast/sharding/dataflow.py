@@ -13,8 +13,9 @@ activation is column-parallel (its output axis is split: the heads of a 3-D kern
 a stacked MoE kernel, the vocabulary of an LM head); a parameter multiplied with an activation split
 on the contracting axis is row-parallel (that axis is split, the output is summed over the shards:
 the all-reduce). Splits flow through elementwise ops, reshapes that keep the split axis whole,
-transposes and per-head einsums, and gathers and scatters along other axes (per-head blocks picked
-by vmap or ``take_along_axis``: the heads are a batching axis, element i landing at output i);
+transposes, per-head einsums, and slices, concatenations, stacks, gathers and scatters along other
+axes (GPT-J's rotary stacks the even and odd halves of head_dim; block-sparse attention gathers
+key blocks per head by vmap or ``take_along_axis``, the heads a batching axis of the gather);
 biases added to a split output follow it; a lookup into a parameter is an embedding (vocabulary
 split when it divides, else hidden).
 
@@ -504,21 +505,57 @@ class _Analysis:
             s = CONST
         return [s]
 
+    def _joined(self, ins, along, nd, what):
+        """Operands joined along their axis ``along``: a split passes through when every operand
+        is split the same way on another axis (each shard joins its own pieces); else None."""
+        splits = [s for s in ins if isinstance(s, Split)]
+        if not splits:
+            return None
+        origins = frozenset().union(*(s.origins for s in splits))
+        axes = {s.axis for s in splits}
+        if len(axes) > 1 or along in axes or len(splits) != len(ins):
+            self.conflict(origins, f"its split output is {what} with others along its split axis "
+                                   "or with values split another way")
+            return Rep(_all(nd))
+        return Split(axes.pop(), origins)
+
     def op_concatenate(self, eqn, ins):
         d = eqn.params["dimension"]
         nd = len(_shape(eqn.outvars[0]))
-        splits = [s for s in ins if isinstance(s, Split)]
-        if splits:
-            origins = frozenset().union(*(s.origins for s in splits))
-            axes = {s.axis for s in splits}
-            if len(axes) > 1 or d in axes or len(splits) != len(ins):
-                self.conflict(origins, "its split output is concatenated with others")
-                return [Rep(_all(nd))]
-            return [Split(axes.pop(), origins)]
+        joined = self._joined(ins, d, nd, "concatenated")
+        if joined is not None:
+            return [joined]
+        # a concatenation of parameters is used as a replicated constant
         vary = frozenset().union(*(s.vary for s in ins if isinstance(s, Rep)))
-        if any(isinstance(s, Par) for s in ins):
-            vary = vary  # a concatenation of parameters is used as a replicated constant
         return [Rep(vary | ({d} if vary else frozenset()))]
+
+    def op_stack(self, eqn, ins):
+        """``jnp.stack`` (jax's 'stack' primitive): the operands join along a new axis, so the
+        output's axes from ``axis`` on are one further than the operands'."""
+        d = eqn.params["axis"]
+        nd = len(_shape(eqn.outvars[0]))
+        shift = lambda a: a + 1 if a >= d else a  # noqa: E731
+        joined = self._joined(ins, None, nd, "stacked")
+        if isinstance(joined, Split):
+            return [Split(shift(joined.axis), joined.origins)]
+        if joined is not None:
+            return [joined]
+        vary = frozenset(shift(a) for s in ins if isinstance(s, Rep) for a in s.vary)
+        return [Rep(vary | ({d} if vary else frozenset()))]
+
+    def op_unstack(self, eqn, ins):
+        """``jnp.unstack`` (stack's transpose): one output per index of ``axis``, that axis gone."""
+        (s,) = ins
+        d = eqn.params["axis"]
+        keep = [i for i in range(len(_shape(eqn.invars[0]))) if i != d]
+        if isinstance(s, Split) and s.axis == d:
+            self.conflict(s.origins, "its split output is cut into pieces along its split axis (unstack)")
+            return [Rep(_all(len(keep))) for _ in eqn.outvars]
+        if isinstance(s, Split):
+            return [Split(keep.index(s.axis), s.origins) for _ in eqn.outvars]
+        if isinstance(s, Par):  # one layer of a stacked parameter
+            return [Par(s.leaf, tuple(s.axes[i] for i in keep)) for _ in eqn.outvars]
+        return [Rep(frozenset(keep.index(a) for a in s.vary if a != d)) for _ in eqn.outvars]
 
     def op_dynamic_update_slice(self, eqn, ins):
         op, upd = ins[0], ins[1]
