@@ -20,7 +20,8 @@ def _trainer_step(make_arch, depth, n_model_shards, fuse=True):
     return trainer.compile_train_step(arch.batch), deployer.mesh
 
 
-@pytest.mark.parametrize("make_arch, n", [(plain_jax, 4), (flax_nnx, 4), (gqa, 2), (bert, 4), (block_sparse, 4)],
+@pytest.mark.parametrize("make_arch, n", [(plain_jax, 4), (flax_nnx, 4), (gqa, 2), (bert, 4),
+                                          pytest.param(block_sparse, 4, marks=pytest.mark.slow)],
                          ids=["plain_jax", "flax_nnx", "gqa-q-wider-than-kv", "bert-2-row-types",
                               "block-sparse-per-head-gather"])
 def test_separate_q_k_v_and_gate_up_reach_megatron_traffic_through_the_trainer(make_arch, n):
@@ -35,7 +36,8 @@ def test_separate_q_k_v_and_gate_up_reach_megatron_traffic_through_the_trainer(m
 
 
 @pytest.mark.parametrize("make_arch, n, at_most", [(moe, 8, 1.05), (moe, 2, 1.05), (scan_stacked, 4, 0.85),
-                                                  (gqa, 8, 1.05), (gqa, 4, 1.05), (gptj_rotary, 4, 0.75)],
+                                                  (gqa, 8, 1.05), (gqa, 4, 1.05),
+                                                  pytest.param(gptj_rotary, 4, 0.75, marks=pytest.mark.slow)],
                          ids=["moe-4-experts-on-8-shards", "moe-experts-split", "scan-remat",
                               "gqa-2-kv-heads-on-8-shards", "gqa-2-kv-heads-on-4-shards",
                               "gptj-parallel-block-stacked-rotary"])
