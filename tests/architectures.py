@@ -516,5 +516,115 @@ def lora(n_layers=2, seed=0, r=8):
     return Arch("lora", params, loss, _tokens(), {4: exp, 2: exp})
 
 
+# ---- 13. block-sparse attention: per-head key/value blocks gathered by a table (BigBird-like) -----
+def block_sparse(n_layers=2, seed=0, block=2, picks=2):
+    """Each query block reads ``picks`` key blocks chosen per head: its own and one earlier one.
+    K and V blocks are gathered per head and example with ``jnp.take_along_axis``: a gather with
+    operand batching dimensions (batch, heads), which must keep the heads split."""
+    w = _Init(seed)
+    nb = T // block
+    rng = np.random.default_rng(seed + 1)
+    table = np.array([[[i, rng.integers(0, i + 1)] for i in range(nb)] for _ in range(NH)], np.int32)
+    kpos = (table[..., None] * block + np.arange(block)).reshape(NH, nb, picks * block)
+    qpos = np.arange(T).reshape(nb, block)
+    mask = kpos[:, :, None, :] <= qpos[None, :, :, None]  # (heads, query block, query, key): causal
+    params = {"emb": w(V, H), "layers": [
+        {"ln1": w.ones(H), "wq": w(H, H), "wk": w(H, H), "wv": w(H, H), "wo": w(H, H),
+         "ln2": w.ones(H), "up": w(H, F), "down": w(F, H)} for _ in range(n_layers)], "ln_f": w.ones(H)}
+
+    def blocks(x):  # (b, t, heads * hd) -> (b, heads, blocks, block, hd)
+        return heads(x).reshape(x.shape[0], nb, block, NH, HD).transpose(0, 3, 1, 2, 4)
+
+    def gather(x):  # (b, heads, blocks, block, hd) -> (b, heads, blocks, picks * block, hd)
+        idx = jnp.broadcast_to(table.reshape(1, NH, nb * picks, 1, 1), (x.shape[0], NH, nb * picks, 1, 1))
+        return jnp.take_along_axis(x, idx, axis=2).reshape(x.shape[0], NH, nb, picks * block, HD)
+
+    def attention(lyr, x):
+        q, k, v = blocks(x @ lyr["wq"]), gather(blocks(x @ lyr["wk"])), gather(blocks(x @ lyr["wv"]))
+        s = jnp.where(mask, jnp.einsum("bhnqd,bhnkd->bhnqk", q, k) / np.sqrt(HD), -1e9)
+        o = jnp.einsum("bhnqk,bhnkd->bhnqd", jax.nn.softmax(s, -1), v)
+        return o.transpose(0, 2, 3, 1, 4).reshape(x.shape) @ lyr["wo"]
+
+    def loss(p, batch):
+        h = p["emb"][batch["inputs"]]
+        for lyr in p["layers"]:
+            h = h + attention(lyr, rms_norm(h, lyr["ln1"]))
+            h = h + jax.nn.gelu(rms_norm(h, lyr["ln2"]) @ lyr["up"]) @ lyr["down"]
+        return cross_entropy(rms_norm(h, p["ln_f"]) @ p["emb"].T, batch["targets"])
+
+    exp = {"layers/0/wq": COL, "layers/0/wk": COL, "layers/0/wv": COL, "layers/0/wo": ROW,
+           "layers/0/up": COL, "layers/0/down": ROW, "layers/0/ln1": REP, "emb": ROW}
+    return Arch("block_sparse", params, loss, _tokens(), {4: exp, 2: exp})
+
+
+# ---- 14. GPT-J: parallel block, interleaved rotary embedding on part of each head (HF's Flax code) --
+def _sinusoidal_positions(num_pos, dim):  # transformers' Flax GPT-J, as written there
+    inv_freq = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
+    sinusoid_inp = np.einsum("i , j -> i j", np.arange(num_pos), inv_freq).astype("float32")
+    sin, cos = np.sin(sinusoid_inp), np.cos(sinusoid_inp)
+    sentinel = dim // 2 + dim % 2
+    out = np.zeros((num_pos, dim))
+    out[:, 0:sentinel] = sin
+    out[:, sentinel:] = cos
+    return jnp.array(out)
+
+
+def _rotate_every_two(tensor):  # the even and odd halves of head_dim stacked: the 'stack' primitive
+    rotate_half_tensor = jnp.stack((-tensor[:, :, :, 1::2], tensor[:, :, :, ::2]), axis=-1)
+    rotate_half_tensor = rotate_half_tensor.reshape(rotate_half_tensor.shape[:-2] + (-1,))
+    return rotate_half_tensor
+
+
+def _apply_rotary_pos_emb(tensor, sincos):
+    sin_pos, cos_pos = sincos
+    sin_pos = sin_pos[:, :, None, :].repeat(2, 3)
+    cos_pos = cos_pos[:, :, None, :].repeat(2, 3)
+    return (tensor * cos_pos) + (_rotate_every_two(tensor) * sin_pos)
+
+
+def gptj_rotary(n_layers=2, seed=0, rotary_dim=2):
+    """Hugging Face's Flax GPT-J (transformers 4.57): attention and MLP side by side on one norm,
+    rotary embedding on the first ``rotary_dim`` of each head's dimensions, even/odd interleaved
+    by ``jnp.stack``; a split on the heads must pass through the stack."""
+    w = _Init(seed)
+    ln = lambda: {"scale": w.ones(H), "bias": w.zeros(H)}  # noqa: E731
+    params = {"transformer": {"wte": {"embedding": w(V, H)}, "h": {str(i): {
+        "ln_1": ln(), "attn": {n: {"kernel": w(H, H)} for n in ("q_proj", "k_proj", "v_proj", "out_proj")},
+        "mlp": {"fc_in": {"kernel": w(H, F), "bias": w.zeros(F)},
+                "fc_out": {"kernel": w(F, H), "bias": w.zeros(H)}}}
+        for i in range(n_layers)}, "ln_f": ln()},
+        "lm_head": {"kernel": w(H, V), "bias": w.zeros(V)}}
+    table = _sinusoidal_positions(2 * T, rotary_dim)
+
+    def rotary(x, sincos):
+        rot, rest = x[:, :, :, :rotary_dim], x[:, :, :, rotary_dim:]
+        return jnp.concatenate([_apply_rotary_pos_emb(rot, sincos), rest], axis=-1)
+
+    def loss(p, batch):
+        t = p["transformer"]
+        h = t["wte"]["embedding"][batch["inputs"]]
+        sincos = jnp.split(jnp.take(table, jnp.broadcast_to(jnp.arange(T), (B, T)), axis=0), 2, axis=-1)
+        for i in range(n_layers):
+            blk = t["h"][str(i)]
+            a = blk["attn"]
+            x = layer_norm(h, **blk["ln_1"])
+            q, k = (rotary(heads(x @ a[n]["kernel"]), sincos) for n in ("q_proj", "k_proj"))
+            o = merge(attend(q, k, heads(x @ a["v_proj"]["kernel"]))) @ a["out_proj"]["kernel"]
+            m = blk["mlp"]
+            f = jax.nn.gelu(x @ m["fc_in"]["kernel"] + m["fc_in"]["bias"]) @ m["fc_out"]["kernel"]
+            f = f + m["fc_out"]["bias"]
+            h = h + o + f
+        logits = layer_norm(h, **t["ln_f"]) @ p["lm_head"]["kernel"] + p["lm_head"]["bias"]
+        return cross_entropy(logits, batch["targets"])
+
+    b = "transformer/h/0/"
+    exp = {b + "attn/q_proj/kernel": COL, b + "attn/k_proj/kernel": COL, b + "attn/v_proj/kernel": COL,
+           b + "attn/out_proj/kernel": ROW, b + "mlp/fc_in/kernel": COL, b + "mlp/fc_in/bias": ROW,
+           b + "mlp/fc_out/kernel": ROW, b + "mlp/fc_out/bias": REP, b + "ln_1/scale": REP,
+           "transformer/wte/embedding": ROW, "lm_head/kernel": COL, "lm_head/bias": ROW}
+    return Arch("gptj_rotary", params, loss, _tokens(), {4: exp, 2: exp})
+
+
 ARCHITECTURES = {f.__name__: f for f in (plain_jax, flax_linen, flax_nnx, transposed, fused_qkv, gqa, mqa,
-                                         moe, encoder_decoder, scan_stacked, gpt2, bert, lora)}
+                                         moe, encoder_decoder, scan_stacked, gpt2, bert, lora,
+                                         block_sparse, gptj_rotary)}

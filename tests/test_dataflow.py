@@ -15,7 +15,7 @@ from redcoast.sharding.grouped_axes import named_sharding
 from redcoast.sharding.paths import path_to_tuple
 from redcoast.sharding.rewrite_plan import RewritePlan, WeightSplit
 
-from architectures import ARCHITECTURES, B, F, H, HD, T, gqa, moe, mqa, plain_jax, scan_stacked, transposed
+from architectures import ARCHITECTURES, B, F, H, HD, NH, T, V, gqa, moe, mqa, plain_jax, scan_stacked, transposed
 
 LR = 0.1
 
@@ -53,12 +53,20 @@ def test_key_weights_get_the_megatron_split(name):
 # (name, model shards): each architecture once, on both mesh shapes
 STEP_CASES = [("plain_jax", 4), ("flax_linen", 2), ("flax_nnx", 4), ("transposed", 2), ("fused_qkv", 4),
               ("gqa", 4), ("mqa", 2), ("moe", 4), ("encoder_decoder", 2), ("scan_stacked", 4),
-              ("gpt2", 4), ("bert", 2), ("lora", 4)]
+              ("gpt2", 4), ("bert", 2), ("lora", 4), ("block_sparse", 4),
+              ("gptj_rotary", 2)]
 
 
 @pytest.mark.parametrize("name,n", STEP_CASES)
 def test_sharded_step_equals_single_device_step(name, n):
     arch = ARCHITECTURES[name]()
+    assert_sharded_step_equals_single_device_step(arch, n)
+
+
+def assert_sharded_step_equals_single_device_step(arch, n):
+    """One SGD step under the traced plan on a (8/n, n) mesh gives the single-device step's loss
+    and parameters, and each device holds about 1/n of the split weights."""
+    name = arch.name
     placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=n)
     by_path = {pl.path: pl.spec for pl in placements}
     mesh = mesh_for(n)
@@ -491,3 +499,85 @@ def test_a_rewrite_plan_of_other_parameters_is_refused_with_the_fix():
     plan = RewritePlan.from_placements(placements[:2], mesh_for(2))  # no entry for c
     with pytest.raises(ConfigError, match="no parameter at c.*Fix: build the plan"):
         fuse_sibling_matmuls(lambda p, x: _siblings_layer(x, p), plan)(params, x)
+
+
+BLOCK, N_BLOCKS = 2, T // 2
+_PERMUTE = np.stack([np.random.default_rng(h).permutation(N_BLOCKS) for h in range(NH)]).astype(np.int32)
+
+
+def _routed(kb, q):  # the key blocks each head's queries match best: indices split with the heads
+    _, top = jax.lax.top_k(jnp.einsum("bhtd,bhnkd->bhn", q, kb), 2)
+    return jnp.take_along_axis(kb, top[..., None, None], axis=2)
+
+
+PER_HEAD_BLOCKS = {  # (b, heads, blocks, block, head_dim), q -> key blocks picked per head
+    "take_along_axis": lambda kb, q: jnp.take_along_axis(kb, _PERMUTE[None, :, :, None, None], axis=2),
+    "take_along_axis-per-example": lambda kb, q: jnp.take_along_axis(
+        kb, jnp.broadcast_to(_PERMUTE[None, :, :, None, None], (kb.shape[0], NH, N_BLOCKS, 1, 1)), axis=2),
+    "vmap-gather": lambda kb, q: jax.vmap(lambda k, i: k[:, i], in_axes=(1, 0), out_axes=1)(kb, _PERMUTE),
+    "routed-gather": _routed,
+    "vmap-scatter-add": lambda kb, q: jax.vmap(lambda k, i: jnp.zeros_like(k).at[:, i].add(k),
+                                               in_axes=(1, 0), out_axes=1)(kb, _PERMUTE),
+    "vmap-scatter": lambda kb, q: jax.vmap(jax.vmap(lambda k, i: jnp.zeros_like(k).at[i].set(k)),
+                                           in_axes=(0, None))(kb, _PERMUTE),
+    "window-scatter": lambda kb, q: jnp.zeros_like(kb).at[:, :, jnp.asarray(_PERMUTE[0])].add(kb),
+}
+
+
+def _per_head_blocks_arch(pick):
+    """Attention whose key blocks are picked per head by ``pick``: a gather or scatter with
+    operand batching axes (vmap, take_along_axis), or a window axis over the heads."""
+    rng = np.random.default_rng(0)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+    params = {"emb": w(V, H), "q": w(H, NH, HD), "k": w(H, NH, HD), "o": w(NH, HD, H)}
+
+    def loss(p, batch):
+        x = p["emb"][batch["inputs"]]
+        q = jnp.einsum("btd,dhk->bhtk", x, p["q"])
+        kb = jnp.einsum("btd,dhk->bhtk", x, p["k"]).reshape(B, NH, N_BLOCKS, BLOCK, HD)
+        k = pick(kb, q).reshape(B, NH, -1, HD)
+        s = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k), -1)
+        y = x + jnp.einsum("bhqk,bhkd,hdm->bqm", s, k, p["o"])
+        return jnp.mean(y ** 2)
+
+    return types.SimpleNamespace(name="per-head blocks", params=params, loss=loss, batch=plain_jax().batch)
+
+
+@pytest.mark.parametrize("form", sorted(PER_HEAD_BLOCKS))
+def test_key_blocks_picked_per_head_keep_the_heads_split(form):
+    # block-sparse attention gathers (or scatters) key blocks per head: the heads axis is a
+    # batching axis of the gather, element i going to output i, not an axis gathered along
+    arch = _per_head_blocks_arch(PER_HEAD_BLOCKS[form])
+    jaxpr = str(jax.make_jaxpr(arch.loss)(arch.params, arch.batch))
+    assert ("operand_batching_dims=()" if form == "window-scatter" else "operand_batching_dims=(") in jaxpr
+    specs = specs_of(dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=4))
+    assert specs == {"emb": P("mp"), "q": P(None, "mp"), "k": P(None, "mp"), "o": P("mp")}
+    assert_sharded_step_equals_single_device_step(arch, 4)
+
+
+def _rotate_pairs_by_unstack(x):  # interleaved rotary written with unstack/stack: (b, t, h, d)
+    even, odd = jnp.unstack(x.reshape(x.shape[:-1] + (-1, 2)), axis=-1)
+    return jnp.stack((-odd, even), axis=-1).reshape(x.shape)
+
+
+def test_heads_split_through_stack_and_unstack_of_other_axes():
+    # GPT-J's rotary stacks head_dim's even and odd halves: the heads stay split; one layer's
+    # weights unstacked from a stacked tensor are that tensor's slices
+    rng = np.random.default_rng(0)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+    params = {"emb": w(V, H), "q": w(2, H, NH, HD), "k": w(2, H, NH, HD), "o": w(2, NH, HD, H)}
+
+    def loss(p, batch):
+        x = p["emb"][batch["inputs"]]
+        for q, k, o in zip(*(jnp.unstack(p[n]) for n in ("q", "k", "o"))):
+            q, k = (_rotate_pairs_by_unstack(jnp.einsum("btd,dhk->bthk", x, m)) for m in (q, k))
+            s = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+            x = x + jnp.einsum("bhqk,bkhd,hdm->bqm", s, k, o)
+        return jnp.mean(x ** 2)
+
+    arch = types.SimpleNamespace(name="unstacked", params=params, loss=loss, batch=plain_jax().batch)
+    jaxpr = str(jax.make_jaxpr(loss)(params, arch.batch))
+    assert "unstack[" in jaxpr and " stack[" in jaxpr
+    specs = specs_of(dataflow_placements(loss, params, arch.batch, n_model_shards=4))
+    assert specs == {"emb": P("mp"), "q": P(None, None, "mp"), "k": P(None, None, "mp"), "o": P(None, "mp")}
+    assert_sharded_step_equals_single_device_step(arch, 4)

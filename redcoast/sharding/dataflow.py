@@ -13,8 +13,11 @@ activation is column-parallel (its output axis is split: the heads of a 3-D kern
 a stacked MoE kernel, the vocabulary of an LM head); a parameter multiplied with an activation split
 on the contracting axis is row-parallel (that axis is split, the output is summed over the shards:
 the all-reduce). Splits flow through elementwise ops, reshapes that keep the split axis whole,
-transposes and per-head einsums; biases added to a split output follow it; a lookup into a
-parameter is an embedding (vocabulary split when it divides, else hidden).
+transposes, per-head einsums, and slices, concatenations, stacks, gathers and scatters along other
+axes (GPT-J's rotary stacks the even and odd halves of head_dim; block-sparse attention gathers
+key blocks per head by vmap or ``take_along_axis``, the heads a batching axis of the gather);
+biases added to a split output follow it; a lookup into a parameter is an embedding (vocabulary
+split when it divides, else hidden).
 
 A split that cannot go on without communication — sliced (a fused QKV written as one (hidden,
 3*hidden) matrix), concatenated, reduced over the model width (a norm), added to the residual
@@ -116,6 +119,35 @@ def _major(axes, shape):
         if shape[x] > 1:
             return x
     return None
+
+
+def _gather_maps(dn, op_nd, idx_nd, out_nd):
+    """Where a gather's axes go (XLA's semantics; JAX puts the index vector last): ``window``
+    {operand axis: output axis} for the axes sliced, not collapsed; ``index`` {indices axis:
+    output axis} for the indices' batch axes, which fill the non-window output axes in order;
+    ``index_of`` {operand batching axis: its paired indices axis}; ``batching`` {operand
+    batching axis: output axis}, element i of the operand axis landing at output i."""
+    skipped = set(dn.collapsed_slice_dims) | set(dn.operand_batching_dims)
+    window = dict(zip([a for a in range(op_nd) if a not in skipped], dn.offset_dims))
+    index = dict(zip(range(idx_nd - 1), [o for o in range(out_nd) if o not in dn.offset_dims]))
+    index_of = dict(zip(dn.operand_batching_dims, dn.start_indices_batching_dims))
+    return {"window": window, "index": index, "index_of": index_of,
+            "batching": {a: index[i] for a, i in index_of.items()}}
+
+
+def _scatter_maps(dn, op_shape, upd_shape):
+    """The operand axes a split may pass through a scatter on, with their copies in the other
+    inputs: ``index_of`` {operand batching axis: its paired indices axis}; ``updates_of``
+    {operand axis: updates axis} for the batching axes (the indices' batch axes fill the
+    non-window updates axes in order) and the window axes the updates cover whole (window axes
+    are the operand's axes neither inserted nor batching, in order)."""
+    skipped = set(dn.inserted_window_dims) | set(dn.operand_batching_dims)
+    window = zip([a for a in range(len(op_shape)) if a not in skipped], dn.update_window_dims)
+    scatter_axes = [u for u in range(len(upd_shape)) if u not in dn.update_window_dims]
+    index_of = dict(zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims))
+    updates_of = {a: scatter_axes[i] for a, i in index_of.items()}
+    updates_of.update({a: u for a, u in window if upd_shape[u] == op_shape[a]})
+    return {"index_of": index_of, "updates_of": updates_of}
 
 
 class _Analysis:
@@ -473,21 +505,57 @@ class _Analysis:
             s = CONST
         return [s]
 
+    def _joined(self, ins, along, nd, what):
+        """Operands joined along their axis ``along``: a split passes through when every operand
+        is split the same way on another axis (each shard joins its own pieces); else None."""
+        splits = [s for s in ins if isinstance(s, Split)]
+        if not splits:
+            return None
+        origins = frozenset().union(*(s.origins for s in splits))
+        axes = {s.axis for s in splits}
+        if len(axes) > 1 or along in axes or len(splits) != len(ins):
+            self.conflict(origins, f"its split output is {what} with others along its split axis "
+                                   "or with values split another way")
+            return Rep(_all(nd))
+        return Split(axes.pop(), origins)
+
     def op_concatenate(self, eqn, ins):
         d = eqn.params["dimension"]
         nd = len(_shape(eqn.outvars[0]))
-        splits = [s for s in ins if isinstance(s, Split)]
-        if splits:
-            origins = frozenset().union(*(s.origins for s in splits))
-            axes = {s.axis for s in splits}
-            if len(axes) > 1 or d in axes or len(splits) != len(ins):
-                self.conflict(origins, "its split output is concatenated with others")
-                return [Rep(_all(nd))]
-            return [Split(axes.pop(), origins)]
+        joined = self._joined(ins, d, nd, "concatenated")
+        if joined is not None:
+            return [joined]
+        # a concatenation of parameters is used as a replicated constant
         vary = frozenset().union(*(s.vary for s in ins if isinstance(s, Rep)))
-        if any(isinstance(s, Par) for s in ins):
-            vary = vary  # a concatenation of parameters is used as a replicated constant
         return [Rep(vary | ({d} if vary else frozenset()))]
+
+    def op_stack(self, eqn, ins):
+        """``jnp.stack`` (jax's 'stack' primitive): the operands join along a new axis, so the
+        output's axes from ``axis`` on are one further than the operands'."""
+        d = eqn.params["axis"]
+        nd = len(_shape(eqn.outvars[0]))
+        shift = lambda a: a + 1 if a >= d else a  # noqa: E731
+        joined = self._joined(ins, None, nd, "stacked")
+        if isinstance(joined, Split):
+            return [Split(shift(joined.axis), joined.origins)]
+        if joined is not None:
+            return [joined]
+        vary = frozenset(shift(a) for s in ins if isinstance(s, Rep) for a in s.vary)
+        return [Rep(vary | ({d} if vary else frozenset()))]
+
+    def op_unstack(self, eqn, ins):
+        """``jnp.unstack`` (stack's transpose): one output per index of ``axis``, that axis gone."""
+        (s,) = ins
+        d = eqn.params["axis"]
+        keep = [i for i in range(len(_shape(eqn.invars[0]))) if i != d]
+        if isinstance(s, Split) and s.axis == d:
+            self.conflict(s.origins, "its split output is cut into pieces along its split axis (unstack)")
+            return [Rep(_all(len(keep))) for _ in eqn.outvars]
+        if isinstance(s, Split):
+            return [Split(keep.index(s.axis), s.origins) for _ in eqn.outvars]
+        if isinstance(s, Par):  # one layer of a stacked parameter
+            return [Par(s.leaf, tuple(s.axes[i] for i in keep)) for _ in eqn.outvars]
+        return [Rep(frozenset(keep.index(a) for a in s.vary if a != d)) for _ in eqn.outvars]
 
     def op_dynamic_update_slice(self, eqn, ins):
         op, upd = ins[0], ins[1]
@@ -552,13 +620,11 @@ class _Analysis:
         op_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
         nd = len(out_shape)
         slice_sizes = eqn.params["slice_sizes"]
-        collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
-        offset_src = [i for i in range(len(op_shape)) if i not in collapsed]
-        offset_map = dict(zip(offset_src, dn.offset_dims))  # operand axis -> output axis
+        m = _gather_maps(dn, len(op_shape), len(_shape(eqn.invars[1])), nd)
+        offset_map = m["window"]  # operand axis -> output axis (a slice of it)
         if isinstance(idx, Split):
-            self.conflict(idx.origins, "it is used as gather indices")
-            idx = Rep(_all(len(_shape(eqn.invars[1]))))
-        data = bool(idx.vary) if isinstance(idx, Rep) else False
+            return [self._split_indices(eqn, op, idx, m)]
+        data = bool(idx.vary)
         if isinstance(op, Par):
             indexed = [a for a in dn.start_index_map]
             if not data:  # a constant index: a layer of a stacked parameter, a position table
@@ -566,11 +632,15 @@ class _Analysis:
                 for a, o in offset_map.items():
                     if slice_sizes[a] == op_shape[a]:
                         axes[o] = op.axes[a]
+                for a, o in m["batching"].items():  # element i of the axis goes to output i
+                    axes[o] = op.axes[a]
                 return [Par(op.leaf, tuple(axes))]
             self.embedding(op, indexed, offset_map, op_shape, slice_sizes)
             return [Rep(_all(nd))]
         if isinstance(op, Split):
             a = op.axis
+            if a in m["batching"]:  # per-head blocks gathered per head (vmap, take_along_axis)
+                return [Split(m["batching"][a], op.origins)]
             if a in offset_map and slice_sizes[a] == op_shape[a]:
                 return [Split(offset_map[a], op.origins)]
             if a in dn.start_index_map or a in dn.collapsed_slice_dims:
@@ -578,6 +648,21 @@ class _Analysis:
             self.conflict(op.origins, "it is gathered along its split axis")
             return [Rep(_all(nd))]
         return [Rep(_all(nd) if (op.vary or data) else frozenset())]
+
+    def _split_indices(self, eqn, op, idx, m):
+        """Gather indices split along one of their batch axes: each shard gathers its own rows,
+        from an operand that is replicated or split along the paired batching axis."""
+        nd = len(_shape(eqn.outvars[0]))
+        o = m["index"].get(idx.axis)  # None: the index vector axis
+        paired = {i: a for a, i in m["index_of"].items()}.get(idx.axis)
+        if o is not None and isinstance(op, Rep):  # each shard gathers from its whole copy
+            return Split(o, idx.origins)
+        if o is not None and isinstance(op, Split) and op.axis == paired:
+            return Split(o, idx.origins | op.origins)
+        self.conflict(idx.origins, "it is used as gather indices")
+        if isinstance(op, Split):
+            self.conflict(op.origins, "it is gathered by indices split another way")
+        return Rep(_all(nd))
 
     def embedding(self, op, indexed, offset_map, op_shape, slice_sizes):
         """A parameter looked up by data-dependent indices: split the vocabulary, else hidden."""
@@ -609,7 +694,32 @@ class _Analysis:
             self.decide(leaf, cands[i], kind)
 
     def op_scatter_add(self, eqn, ins):
-        return self.unknown(eqn, ins, "a scatter")
+        """scatter, scatter-add/mul/min/max: the output is the operand with the updates written
+        in. A split passes through on an operand axis that the updates cover whole (a window
+        axis) or element by element (a batching axis, as vmap writes per head), when the operand
+        and the updates are each split along their copy of that axis or constant along it, and
+        the indices are split along their copy (a batching axis) or not split."""
+        op_shape = _shape(eqn.invars[0])
+        nd = len(op_shape)
+        m = _scatter_maps(eqn.params["dimension_numbers"], op_shape, _shape(eqn.invars[2]))
+        copies = [{a: a for a in range(nd)}, m["index_of"], m["updates_of"]]  # operand axis -> own
+        splits = [(k, s) for k, s in enumerate(ins[:3]) if isinstance(s, Split)]
+        if not splits:
+            data = any(isinstance(s, Rep) and s.vary for s in ins[:3])
+            return [Rep(_all(nd) if data else frozenset())]
+        origins = frozenset().union(*(s.origins for _, s in splits))
+        targets = {next((a for a, c in copies[k].items() if c == s.axis), None) for k, s in splits}
+        a = targets.pop() if len(targets) == 1 else None
+        if a is None or a not in copies[2]:
+            self.conflict(origins, "its split output is scattered along its split axis")
+            return [Rep(_all(nd))]
+        for k in (0, 2):  # operand, updates
+            s = ins[k]
+            if isinstance(s, Rep) and copies[k][a] in s.vary:
+                self.conflict(origins, "its split output is scattered into (or with) a replicated "
+                                       "activation, which would need an all-gather")
+                return [Rep(_all(nd))]
+        return [Split(a, origins)]
 
     op_scatter = op_scatter_mul = op_scatter_min = op_scatter_max = op_scatter_add
 

@@ -239,7 +239,7 @@ def _hidden_split_tables(jaxpr, plan, origins):
             table = eqn.invars[0]
             dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
             shape = tuple(table.aval.shape)
-            collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
+            collapsed = set(dn.collapsed_slice_dims) | set(dn.operand_batching_dims)
             kept = [a for a in range(len(shape)) if a not in collapsed]  # -> dn.offset_dims
             whole = [(a, o) for a, o in zip(kept, dn.offset_dims)
                      if sizes[a] == shape[a] and a not in dn.start_index_map
