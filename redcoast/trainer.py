@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from . import validate
+from .abstract import is_abstract, placed, shapes_of
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
 from .data import (BatchMaker, Stream, check_collated, epoch_order, examples_by_epoch, is_iterator,
@@ -95,12 +96,20 @@ class Trainer:
         first = Candidate(deployer.n_model_shards, fsdp is not False, bool(fuse_matmuls))
         plan = shape_plan(self.recipe, first, mesh, params)
         param_shardings = plan.param_shardings()
-        # The step donates its state, which must never delete the caller's arrays, and
-        # device_put may reuse their buffers: a compiled copy owns fresh ones.
-        params = jax.jit(_copy_tree, out_shardings=param_shardings)(jax.device_put(params, param_shardings))
+        # parameters as jax.ShapeDtypeStructs: plan and compile, nothing allocated (abstract.py)
+        self.is_abstract = is_abstract(params)
+        if self.is_abstract:
+            params = placed(params, param_shardings)
+        else:  # The step donates its state, which must never delete the caller's arrays, and
+            # device_put may reuse their buffers: a compiled copy owns fresh ones.
+            params = jax.jit(_copy_tree, out_shardings=param_shardings)(
+                jax.device_put(params, param_shardings))
         opt_shardings = plan.opt_state_shardings(jax.eval_shape(optimizer.init, params))
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-        if frozen_params is not None:  # a copy the step may donate, as for params
+        opt_state = (shapes_of(optimizer.init, params, opt_shardings) if self.is_abstract else
+                     jax.jit(optimizer.init, out_shardings=opt_shardings)(params))
+        if frozen_params is not None and (self.is_abstract or is_abstract(frozen_params)):
+            frozen_params = placed(frozen_params, frozen_shardings(frozen_params, mesh))
+        elif frozen_params is not None:  # a copy the step may donate, as for params
             shardings = frozen_shardings(frozen_params, mesh)
             if deployer.n_model_shards > 1 and not placed_on(frozen_params, mesh):
                 deployer.log_warning(
@@ -173,10 +182,20 @@ class Trainer:
     def _adopt(self, layout):
         """Run in ``layout`` from now on: the state and random keys move to it (donated: a model
         may fill the devices). Between layouts the state is in the user's layout."""
-        state = self.layout.stored.state_to_user(self._state)
+        old = self.layout
         self.layout = layout
         self._step_costs = {}
-        self._state = layout.stored.state_to_storage(jax.device_put(state, layout.state_shardings, donate=True))
+        if self.is_abstract:  # the same conversions, on shapes; the counters stay arrays
+            state = jax.eval_shape(old.stored.state_to_user, self._state)
+            shapes = shapes_of(layout.stored.state_to_storage, placed(state, layout.state_shardings),
+                               layout.state_shardings)
+            self._state = shapes.replace(
+                step=jax.device_put(self._state.step, layout.replicated),
+                nonfinite_step=jax.device_put(self._state.nonfinite_step, layout.replicated))
+        else:
+            state = old.stored.state_to_user(self._state)
+            self._state = layout.stored.state_to_storage(
+                jax.device_put(state, layout.state_shardings, donate=True))
         self._train_rng = jax.device_put(self._train_rng, layout.replicated)
         self._eval_rng = jax.device_put(self._eval_rng, layout.replicated)
 
@@ -201,11 +220,17 @@ class Trainer:
     def state(self):
         """The training state, in the user's layout (fused projections the layout stores
         permuted are presented as given)."""
+        if self.is_abstract:
+            return placed(jax.eval_shape(self.layout.stored.state_to_user, self._state),
+                          self.layout.state_shardings)
         return self.layout.stored.state_to_user(self._state)
 
     @property
     def params(self):
-        """The parameters, in the user's layout (as :attr:`state`)."""
+        """The parameters, in the user's layout (as :attr:`state`); shapes alone when the
+        Trainer is abstract."""
+        if self.is_abstract:
+            return self.state.params
         return self.layout.stored.params_to_user(self._state.params)
 
     @property
@@ -228,13 +253,27 @@ class Trainer:
             raise ConfigError("set_params was given parameters of another structure, shape or "
                               "dtype than trainer.params. Fix: pass a tree shaped like "
                               "trainer.params (build a new Trainer for another model).")
+        if self.is_abstract and self._state.frozen_params is not None \
+                and is_abstract(self._state.frozen_params):
+            raise ConfigError("set_params cannot make this Trainer concrete: its frozen_params "
+                              "are abstract (jax.ShapeDtypeStruct) too. Fix: build the Trainer "
+                              "with the real frozen_params.")
         params = self.layout.stored.params_to_storage(
             jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(params))
         state = self._state.replace(params=params)
-        if reset_opt_state:
+        if reset_opt_state or self.is_abstract:  # an abstract optimizer state has nothing to keep
             state = state.replace(opt_state=jax.jit(
                 state.tx.init, out_shardings=self.layout.state_shardings.opt_state)(params))
         self._state = state
+        self.is_abstract = False
+
+    def _require_concrete(self, doing):
+        """Refuse ``doing`` on a Trainer built from abstract parameters."""
+        if self.is_abstract:
+            raise ConfigError(
+                f"this Trainer was built from abstract parameters (jax.ShapeDtypeStruct): it "
+                f"plans and compiles (trainer.compile_train_step(batch)) but cannot {doing}. Fix: "
+                "trainer.set_params(real parameters of the same shapes) first.")
 
     def get_default_predictor(self, pred_fn, output_fn=None):
         """A :class:`Predictor` sharing this trainer's collate_fn and parameter placement."""
@@ -276,6 +315,7 @@ class Trainer:
         before the first update this trainer runs (:meth:`check_layout`).
         """
         validate.positive_int("log_every_n_steps", log_every_n_steps)
+        self._require_concrete("train")
         k = self.accumulate_grad_batches
         stream = None if is_sequence(examples) else (
             examples if isinstance(examples, Stream) else Stream(examples))
@@ -392,6 +432,7 @@ class Trainer:
     def _evaluate(self, examples, per_device_batch_size, desc=None):
         """Means over examples of the loss and metrics, every example counted exactly once:
         ``loss_fn`` applied to one example at a time, or to whole batches (``eval_by``)."""
+        self._require_concrete("evaluate")
         def first_batch(mesh):
             global_batch = per_device_batch_size * mesh.shape["dp"]
             return BatchMaker(mesh, self.collate_fn, global_batch).make(
@@ -468,6 +509,7 @@ class Trainer:
 
     def save_params(self, path):
         """Write the current parameters as a safetensors file (readable without redcoast)."""
+        self._require_concrete("save parameters")
         save_params(self.params, path)
 
     def check_layout(self, examples, per_device_batch_size, rtol=None):
@@ -478,6 +520,7 @@ class Trainer:
         :class:`~redcoast.layout_check.LayoutCheck` naming the worst leaf; raises
         :class:`~redcoast.layout_check.LayoutCheckError` where an error is above ``rtol``
         (default 1e-4 in float32 compute, 5e-2 in 16-bit). Nothing is trained."""
+        self._require_concrete("check its layout against one device")
         if not is_sequence(examples):
             raise ConfigError(f"check_layout takes a sequence of examples (a list, a Dataset), "
                               f"not {type(examples).__name__}. Fix: pass list(...) of a few batches.")
@@ -568,6 +611,7 @@ class Trainer:
         trained on skipped). ``check_layout=True``: before the first update, the layout is
         checked against one device on the first batch (see :meth:`check_layout`).
         """
+        self._require_concrete("fit")
         validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
                           eval_per_device_batch_size, save_every_n_steps, save_every_k_epochs,
                           keep_last_n_ckpts, log_every_n_steps, train_examples,
