@@ -48,16 +48,26 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    """Entry point of the ``redcoast`` console script: ``redcoast launch ...``."""
+    """Entry point of the ``redcoast`` console script: ``redcoast launch ...``, ``redcoast plan
+    ...``, ``redcoast --version``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: redcoast launch -n N [--local-devices K] script.py [args ...]\n\n"
+        print("usage: redcoast launch -n N [--local-devices K] script.py [args ...]\n"
+              "       redcoast plan CONFIG --devices N --device-memory SIZE --seq-len L\n\n"
               "Commands:\n  launch   start N processes of one run on this machine "
-              "(redcoast launch --help)")
+              "(redcoast launch --help)\n  plan     the layout and memory per device of a "
+              "training run on hardware you do not have (redcoast plan --help)")
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from . import __version__
+        print(f"redcoast {__version__}")
+        return 0
+    if argv[0] == "plan":
+        from .plan import main as plan_main
+        return plan_main(argv[1:])
     if argv[0] != "launch":
-        print(f"redcoast: unknown command {argv[0]!r}. Fix: use `redcoast launch -n N script.py`.",
-              file=sys.stderr)
+        print(f"redcoast: unknown command {argv[0]!r}. Fix: use `redcoast launch -n N script.py` "
+              "or `redcoast plan CONFIG ...`.", file=sys.stderr)
         return 2
     return main(argv[1:])
 

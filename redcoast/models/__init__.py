@@ -4,7 +4,7 @@ Hugging Face and GGUF weights, and generation. Depends on Flax; redcoast's core 
 from .base import Model
 from .generate import generate, left_pad
 from .gguf import from_gguf, read_gguf
-from .pretrained import from_pretrained, save_pretrained
+from .pretrained import from_pretrained, model_from_config, save_pretrained
 
-__all__ = ["Model", "from_gguf", "from_pretrained", "generate", "left_pad", "read_gguf",
+__all__ = ["Model", "from_gguf", "from_pretrained", "generate", "left_pad", "model_from_config", "read_gguf",
            "save_pretrained"]

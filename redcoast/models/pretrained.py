@@ -20,7 +20,9 @@ and optionally:
 
 import dataclasses
 import importlib
+import json
 import logging
+import os
 import re
 
 import jax
@@ -109,9 +111,29 @@ def parse_config(family, config_dict, reader, config_overrides=None):
             raise ConfigError(f"config_overrides[{key!r}] = {value!r} did not take effect: "
                               f"{family.Config.__module__}.Config has no such setting. Use one of "
                               f"{sorted(fields)} or a config.json key it reads.")
-    if hasattr(family, "config_for_tensors"):  # when config.json alone does not say (T5's lm_head)
+    if reader is not None and hasattr(family, "config_for_tensors"):  # when config.json alone
+        # does not say (T5's lm_head); without tensors (planning), config.json is taken as it is
         config = family.config_for_tensors(config, reader)
     return dataclasses.replace(config, **{k: v for k, v in config_overrides.items() if k in fields})
+
+
+def model_from_config(config, *, param_dtype=jnp.float32, architecture=None,
+                      config_overrides=None):
+    """``(model, abstract params)`` from a Hugging Face config alone: a config.json file, a
+    folder holding one, or its dict. Nothing is read but the config and nothing is allocated:
+    the parameters are ``jax.ShapeDtypeStruct``s, for a Trainer that plans and compiles a run
+    (``redcoast plan``) before any weight exists."""
+    if isinstance(config, dict):
+        config_dict = config
+    elif os.path.isfile(config):
+        with open(config) as f:
+            config_dict = json.load(f)
+    else:
+        config_dict = hf.read_config(config)
+    family = family_of(config_dict.get("model_type"))
+    parsed = parse_config(family, config_dict, None, config_overrides)
+    model = Model(module_class(family, config_dict, architecture), parsed, param_dtype=param_dtype)
+    return model, model.abstract_params()
 
 
 def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dtype=jnp.float32,

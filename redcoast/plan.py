@@ -1,0 +1,273 @@
+"""``redcoast plan``: will this model train on that hardware, in what layout, with what memory?
+
+A run is planned without its hardware and without its weights: the model is built from its
+Hugging Face config.json alone (abstract parameters, nothing allocated), a Trainer chooses its
+layout as it would for the real run, and the training step is compiled for the target's number
+of devices, simulated on this machine's CPU (XLA:CPU's buffer assignment stands in for the
+target compiler's; the record says so). The per-device memory is split into what the layout
+holds (parameters, optimizer state, gradients) and the compiler's temporaries; the peak is the
+compiler's. When the step does not fit, the same is tried with each layer rematerialised, and
+what would fit is suggested.
+
+    redcoast plan path/to/config.json --devices 4 --device-memory 40GiB --seq-len 1024
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+SEQ2SEQ = ("t5", "bart")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclasses.dataclass
+class PlanRecord:
+    """What :func:`plan` found (JSON-ready): the layout, its memory per device, whether it fits."""
+    config: str
+    model_type: str
+    n_params: int
+    devices: int
+    hosts: int
+    device_memory_bytes: int
+    seq_len: int
+    per_device_batch_size: int
+    param_dtype: str
+    optimizer: str
+    remat: bool
+    layout: str
+    params_bytes: int            # per device, as the layout stores them
+    optimizer_bytes: int         # per device
+    gradient_bytes: int          # per device, as reduced (the parameters' placement)
+    temporary_bytes: int         # the compiler's temporaries (activations, gradients in flight)
+    per_device_peak_bytes: int   # arguments + outputs - donated + temporaries
+    fits: bool
+    flops_per_device: float
+    compile_seconds: float
+    compiler: str
+    tried: list = dataclasses.field(default_factory=list)   # earlier attempts: (what, peak)
+    suggestions: list = dataclasses.field(default_factory=list)
+
+    def table(self):
+        """The record as the CLI prints it."""
+        gib = lambda n: f"{n / 2**30:8.2f} GiB"  # noqa: E731
+        rows = [("model", f"{self.model_type}, {self.n_params / 1e9:.2f} B parameters ({self.config})"),
+                ("target", f"{self.devices} devices on {self.hosts} host(s), "
+                           f"{self.device_memory_bytes / 2**30:.1f} GiB each"),
+                ("run", f"seq {self.seq_len}, {self.per_device_batch_size} per data shard, "
+                        f"{self.param_dtype} parameters, {self.optimizer}"
+                        + (", each layer rematerialised" if self.remat else "")),
+                ("layout", self.layout),
+                ("parameters", gib(self.params_bytes)),
+                ("optimizer state", gib(self.optimizer_bytes)),
+                ("gradients", gib(self.gradient_bytes)),
+                ("temporaries", gib(self.temporary_bytes) + "  (compiler; activations included)"),
+                ("peak per device", gib(self.per_device_peak_bytes) + "  (compiler)"),
+                ("device memory", gib(self.device_memory_bytes)),
+                ("verdict", "FITS" if self.fits else "DOES NOT FIT"),
+                ("FLOPs per device", f"{self.flops_per_device / 1e12:.2f} TFLOP per step"),
+                ("compile", f"{self.compile_seconds:.0f} s, {self.compiler}")]
+        rows += [("tried", f"{what}: peak {n / 2**30:.2f} GiB") for what, n in self.tried]
+        rows += [("suggestion", s) for s in self.suggestions]
+        return "\n".join(f"{k:<18}{v}" for k, v in rows)
+
+
+def parse_bytes(text):
+    """'40GiB', '32 GB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 40GiB, 32GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _per_device_bytes(tree):
+    """Bytes one device holds of a tree of placed ``jax.ShapeDtypeStruct``s."""
+    import jax
+    import numpy as np
+    return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _loss_for(model, model_type):
+    import optax
+
+    def causal(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype("float32"), batch["ids"][:, 1:]).mean()
+
+    def seq2seq(rng, state, params, batch, is_training):
+        ids = batch["ids"]
+        logits = model.apply(params, ids[:, :-1], batch["mask"], batch["labels"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype("float32"), batch["labels"][:, 1:]).mean()
+    return seq2seq if model_type in SEQ2SEQ else causal
+
+
+def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
+             optimizer, model_shards, remat):
+    """Compile the step once (in this process, on its ``devices`` CPU devices)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from .deployer import Deployer
+    from .models.pretrained import model_from_config
+    from .trainer import Trainer
+
+    model, abstract = model_from_config(config, param_dtype=jnp.dtype(param_dtype),
+                                        config_overrides={"remat": True} if remat else None)
+    model_type = json.load(open(_config_file(config))).get("model_type")
+    optimizers = {"adamw": optax.adamw(1e-5), "sgd": optax.sgd(1e-5),
+                  "adafactor": optax.adafactor(1e-5)}
+    shards = devices // hosts if model_shards is None else model_shards
+    deployer = Deployer(jax_seed=0, n_model_shards=shards, verbose=False,
+                        memory_budget_bytes=device_memory)
+    trainer = Trainer(deployer, _no_examples, model.apply, _loss_for(model, model_type), abstract,
+                      optimizers[optimizer], fsdp=True, fuse_matmuls=True)
+    rows = per_device_batch_size * deployer.n_data_shards
+    ids = jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32)
+    batch = {"ids": ids, "mask": jax.ShapeDtypeStruct((rows, seq_len), jnp.int32), "labels": ids}
+    start = time.perf_counter()
+    compiled = trainer.compile_train_step(batch)
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+    state = trainer.state
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    n_params = int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract)))
+    params_bytes = _per_device_bytes(state.params)
+    return PlanRecord(
+        config=str(config), model_type=model_type, n_params=n_params, devices=devices,
+        hosts=hosts, device_memory_bytes=device_memory, seq_len=seq_len,
+        per_device_batch_size=per_device_batch_size, param_dtype=str(param_dtype),
+        optimizer=optimizer, remat=remat,
+        layout=(f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
+                f"{trainer.layout.name}"),
+        params_bytes=params_bytes, optimizer_bytes=_per_device_bytes(state.opt_state),
+        gradient_bytes=params_bytes, temporary_bytes=int(m.temp_size_in_bytes),
+        per_device_peak_bytes=int(peak), fits=peak <= device_memory,
+        flops_per_device=float(cost.get("flops", 0.0)), compile_seconds=seconds,
+        compiler=f"XLA:CPU on {devices} simulated devices (jax {jax.__version__}), standing in "
+                 "for the target's compiler")
+
+
+def _no_examples(examples):
+    raise AssertionError("a plan compiles for abstract batches; it collates nothing")
+
+
+def _config_file(config):
+    return config if os.path.isfile(config) else os.path.join(config, "config.json")
+
+
+def _suggest(record):
+    """What would fit, when the step does not."""
+    state_bytes = record.params_bytes + record.optimizer_bytes + record.gradient_bytes
+    out = []
+    if state_bytes > record.device_memory_bytes:
+        total = state_bytes * record.devices
+        need = math.ceil(total / (0.8 * record.device_memory_bytes))
+        out.append(f"the training state alone ({total / 2**30:.0f} GiB in all) needs at least "
+                   f"{need} devices of this memory, split over all of them")
+        if record.optimizer == "adamw":
+            out.append("--optimizer adafactor (factored second moments) shrinks the optimizer state")
+        if record.param_dtype == "float32":
+            out.append("--param-dtype bfloat16 halves parameters, gradients and optimizer state")
+    else:
+        out.append("a shorter --seq-len or a smaller --per-device-batch-size (the temporaries "
+                   "grow with tokens per device)")
+        if not record.remat:
+            out.append("--remat (each layer recomputed in the backward pass)")
+    return out
+
+
+def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_size=1,
+         param_dtype="float32", optimizer="adamw", model_shards=None, remat=None):
+    """A :class:`PlanRecord` for training the model of ``config`` (a config.json or a folder)
+    on ``devices`` devices of ``device_memory`` bytes (or a size like '40GiB'). ``model_shards``:
+    default the devices of one host (tensor parallel within a host, FSDP across). ``remat``:
+    None tries without, then with each layer rematerialised if the first does not fit.
+
+    Runs in a fresh process when this one does not have ``devices`` devices."""
+    device_memory = parse_bytes(device_memory) if isinstance(device_memory, str) else int(device_memory)
+    import jax
+    if jax.device_count() != devices or jax.devices()[0].platform != "cpu":
+        return _in_subprocess(config, devices, hosts, device_memory, seq_len,
+                              per_device_batch_size, param_dtype, optimizer, model_shards, remat)
+    args = (config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
+            optimizer, model_shards)
+    record = _attempt(*args, remat=bool(remat))
+    if not record.fits and remat is None:
+        retry = _attempt(*args, remat=True)
+        retry.tried = [("without remat", record.per_device_peak_bytes)]
+        record = retry
+    if not record.fits:
+        record.suggestions = _suggest(record)
+    return record
+
+
+def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
+                   param_dtype, optimizer, model_shards, remat):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "plan.json")
+        command = [sys.executable, "-m", "redcoast", "plan", str(config), "--devices", str(devices),
+                   "--hosts", str(hosts), "--device-memory", str(device_memory), "--seq-len",
+                   str(seq_len), "--per-device-batch-size", str(per_device_batch_size),
+                   "--param-dtype", param_dtype, "--optimizer", optimizer, "--json", out, "--quiet"]
+        if model_shards is not None:
+            command += ["--model-shards", str(model_shards)]
+        if remat is not None:
+            command += ["--remat" if remat else "--no-remat"]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["JAX_PLATFORMS"] = "cpu"
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"redcoast plan failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        with open(out) as f:
+            return PlanRecord(**json.load(f))
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(
+        prog="redcoast plan", description="Plan a training run for hardware you do not have: "
+        "the layout, the memory per device, FITS or DOES NOT FIT.")
+    parser.add_argument("config", help="a Hugging Face config.json, or a folder holding one")
+    parser.add_argument("--devices", type=int, required=True, help="devices in all")
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--device-memory", required=True, help="per device, e.g. 40GiB")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--per-device-batch-size", type=int, default=1,
+                        help="examples per data shard (default 1)")
+    parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor", "sgd"])
+    parser.add_argument("--model-shards", type=int, help="default: the devices of one host")
+    parser.add_argument("--remat", action="store_true", default=None,
+                        help="each layer rematerialised (default: tried if the step does not fit)")
+    parser.add_argument("--no-remat", dest="remat", action="store_false")
+    parser.add_argument("--json", help="also write the record here")
+    parser.add_argument("--quiet", action="store_true", help="print nothing")
+    args = parser.parse_args(argv)
+    if args.devices % args.hosts:
+        parser.error(f"--devices {args.devices} is not a multiple of --hosts {args.hosts}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from .simulate import simulate_cpu_devices
+    simulate_cpu_devices(args.devices)  # before JAX starts its backend
+    record = plan(args.config, devices=args.devices, hosts=args.hosts,
+                  device_memory=parse_bytes(args.device_memory), seq_len=args.seq_len,
+                  per_device_batch_size=args.per_device_batch_size, param_dtype=args.param_dtype,
+                  optimizer=args.optimizer, model_shards=args.model_shards, remat=args.remat)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dataclasses.asdict(record), f, indent=1)
+    if not args.quiet:
+        print(record.table())
+    return 0
