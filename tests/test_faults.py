@@ -384,3 +384,137 @@ def test_remote_workdirs_are_kept_as_urls_and_local_paths_made_absolute(tmp_path
     monkeypatch.chdir(tmp_path)
     assert absolute("runs/a") == str(tmp_path / "runs" / "a")
     assert CheckpointStore("ckpts").directory == str(tmp_path / "ckpts")
+
+
+# -- 8. a resume with another batch size trains every example of every epoch exactly once --------
+#
+# Example i of epoch e has id e * N_IDS + i; the loss is the sum over the batch of w[id], so with
+# SGD at rate 1 each update subtracts 1 from w[id] for each example trained: -w counts how many
+# times each example was trained.
+
+N_PER_EPOCH = 80  # 5 updates of 16; after one update of epoch 2, 64 left: 8 of 8, 4 of 16, 2 of 32
+N_IDS = 2 * N_PER_EPOCH
+
+
+def id_collate(rows):
+    ids = np.array([r["id"] for r in rows])
+    return {"onehot": np.eye(N_IDS, dtype=np.float32)[ids]}
+
+
+def id_loss(rng, state, params, batch, is_training):
+    return jnp.sum(batch["onehot"] @ params["w"])
+
+
+def id_examples(kind):
+    """``epoch -> that epoch's examples``: a list (shuffled by epoch) or a generator (a stream)."""
+    def of_epoch(epoch):
+        rows = ({"id": epoch * N_PER_EPOCH + i} for i in range(N_PER_EPOCH))
+        return list(rows) if kind == "list" else rows
+    return of_epoch
+
+
+def id_trainer(workdir, accumulate=1):
+    deployer = Deployer(jax_seed=0, workdir=str(workdir), verbose=False)
+    # the micro-batches' gradients are averaged: a rate of k keeps each example's count 1
+    return Trainer(deployer, id_collate, None, id_loss, {"w": np.zeros((N_IDS,), np.float32)},
+                   optax.sgd(float(accumulate)), accumulate_grad_batches=accumulate)
+
+
+def sigterm_at(trainer, stop_step):
+    """Send this process SIGTERM once ``stop_step`` updates are done (the trainer's guard turns it
+    into a save and SystemExit(0) after that update, as a preemption would)."""
+    log_metrics = trainer.deployer.log_metrics
+
+    def log_and_stop(metrics, step):
+        log_metrics(metrics, step)
+        if step == stop_step:
+            import signal
+            signal.raise_signal(signal.SIGTERM)
+    trainer.deployer.log_metrics = log_and_stop
+
+
+def times_trained(trainer):
+    return -np.asarray(trainer.params["w"])
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """For a list and a stream: a workdir stopped by SIGTERM at step 6 (epoch 1, then one update
+    of 16 of epoch 2), per_device_batch_size=2."""
+    runs = {}
+    for kind in ("list", "stream"):
+        workdir = tmp_path_factory.mktemp(f"stopped_{kind}")
+        trainer = id_trainer(workdir)
+        sigterm_at(trainer, 6)
+        with pytest.raises(SystemExit) as stop:
+            trainer.fit(id_examples(kind), 2, 2, log_every_n_steps=1)
+        assert stop.value.code == 0 and trainer.step == 6
+        counts = times_trained(trainer)
+        assert counts[:N_PER_EPOCH].tolist() == [1] * N_PER_EPOCH and counts[N_PER_EPOCH:].sum() == 16
+        runs[kind] = workdir
+    return runs
+
+
+def resume_from(stopped, tmp_path, kind, per_device_batch_size, accumulate=1):
+    import shutil
+    workdir = tmp_path / "resumed"
+    shutil.copytree(stopped, workdir)
+    trainer = id_trainer(workdir, accumulate)
+    trainer.fit(id_examples(kind), per_device_batch_size, 2, log_every_n_steps=1)
+    return trainer, (workdir / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("kind", ["list", "stream"])
+@pytest.mark.parametrize("per_device_batch_size, accumulate, updates_left", [
+    (1, 1, 8), (4, 1, 2),  # half and double the batch (16 examples trained: not a multiple of 32)
+    pytest.param(2, 1, 4, marks=pytest.mark.slow),  # the same batch
+    pytest.param(1, 4, 2, marks=pytest.mark.slow),  # double the update by accumulation
+])
+def test_a_resume_with_another_batch_size_trains_each_example_once(
+        stopped_runs, tmp_path, kind, per_device_batch_size, accumulate, updates_left):
+    trainer, log = resume_from(stopped_runs[kind], tmp_path, kind, per_device_batch_size, accumulate)
+    assert trainer.step == 6 + updates_left
+    np.testing.assert_array_equal(times_trained(trainer), np.ones(N_IDS))  # each once, none lost
+    assert "its first 16 examples" in log and "were trained before the checkpoint" in log
+
+
+def test_a_resume_whose_updates_do_not_divide_the_rest_leaves_out_only_the_last(stopped_runs, tmp_path):
+    from redcoast.data import epoch_order
+    trainer, log = resume_from(stopped_runs["list"], tmp_path, "list", 3)  # updates of 24
+    assert trainer.step == 6 + 2  # 64 left: 2 updates of 24, the last 16 not an update
+    counts = times_trained(trainer)[N_PER_EPOCH:]
+    order = epoch_order(N_PER_EPOCH, 0, 1)
+    np.testing.assert_array_equal(counts[order[:64]], np.ones(64))  # the first 64: each once
+    np.testing.assert_array_equal(counts[order[64:]], np.zeros(16))  # the last 16 left out, said
+    assert "epoch 2: its last 16 examples do not fill an update of 24 and were left out" in log
+
+
+def _write_old_meta(workdir, keep_config=True):
+    """Turn the newest checkpoint's meta into the previous format: the position in updates only."""
+    steps = workdir / "checkpoints" / "steps"
+    newest = max((p for p in steps.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    [path] = [p for p in (newest / "meta").rglob("*") if p.is_file() and "position" in p.read_text()]
+    meta = json.loads(path.read_text())
+    meta.pop("examples_consumed", None)
+    if not keep_config:
+        meta["config"] = {}
+    path.write_text(json.dumps(meta))
+    return meta
+
+
+@pytest.mark.parametrize("keep_config", [True, False])
+def test_a_checkpoint_in_the_previous_format_still_resumes(stopped_runs, tmp_path, keep_config):
+    import shutil
+    workdir = tmp_path / "old"
+    shutil.copytree(stopped_runs["stream"], workdir)
+    meta = _write_old_meta(workdir, keep_config)
+    assert (meta["epoch"], meta["position"]) == (1, 1)
+    trainer = id_trainer(workdir)
+    # with the batch size it recorded (16 a update): 1 update = 16 examples skipped; without it,
+    # the current one is assumed (the same here), with a warning
+    trainer.fit(id_examples("stream"), 2 if not keep_config else 4, 2, log_every_n_steps=1)
+    np.testing.assert_array_equal(times_trained(trainer), np.ones(N_IDS))
+    log = (workdir / "log.txt").read_text()
+    assert "its first 16 examples" in log
+    assert ("does not record how many examples" in log) == (not keep_config)
+
