@@ -23,3 +23,8 @@ class NonFiniteLossError(RedcoastError, FloatingPointError):
 
 class CheckpointError(RedcoastError, RuntimeError):
     """A workdir or its checkpoints cannot be used as asked (in use, none restorable, ...)."""
+
+
+class EvaluationError(RedcoastError, RuntimeError):
+    """An evaluation during ``fit`` failed; the message says in which function (the original
+    error is its ``__cause__``) and which checkpoint a rerun resumes from."""

@@ -16,7 +16,7 @@ from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
 from .data import (BatchMaker, Stream, epoch_order, examples_by_epoch, is_iterator, is_sequence,
                    padded_batches, prefetch)
-from .errors import ConfigError, DataError, NonFiniteLossError
+from .errors import ConfigError, DataError, EvaluationError, NonFiniteLossError
 from .host import to_host
 from .layout import (Candidate, Recipe, build_layout, choose_layout, frozen_shardings,
                      lower_train_step, placed_on, shape_plan)
@@ -475,7 +475,9 @@ class Trainer:
         ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
         exactly as if it had never stopped (a stream is started afresh and the examples already
         trained on skipped); resumed with another batch size, the epoch goes on at its first
-        example not trained yet.
+        example not trained yet. A checkpoint is written before the evaluation that follows it;
+        an evaluation that fails raises :class:`~redcoast.errors.EvaluationError`, which says
+        where that checkpoint is.
         """
         validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
                           eval_per_device_batch_size, save_every_n_steps, save_every_k_epochs,
@@ -530,11 +532,14 @@ class Trainer:
                 raise
         # where this run starts: an epoch, updates and examples (in the epoch's order) into it
         start_epoch, start_position, start_example = self._first_epoch, 0, 0
+        saved = []  # (step, epoch, position, directory) of the newest checkpoint on disk
         if resume and store is not None and store.steps():
             meta = self.restore_checkpoint(store)
             if meta is not None:
                 start_epoch, start_position = meta["epoch"], meta["position"]
                 start_example = self._examples_consumed(meta, per_update)
+                saved.append((meta["step"], start_epoch, start_position, store.directory))
+                self._best.update(self._best_on_disk(workdir))
                 self._warn_if_config_changed(meta.get("config", {}), config)
                 into = f"{start_position} update{'' if start_position == 1 else 's'} into it"
                 if start_example:
@@ -560,15 +565,18 @@ class Trainer:
         def save(epoch, position, consumed):
             if store is not None:
                 self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
+                saved[:] = [(self._host_step, epoch, position, store.directory)]
 
         multi_process = jax.process_count() > 1
         evaluation = (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn)
         evaluated = {}  # host step -> eval results (one evaluation per step)
 
         def evaluate(label):
+            """Evaluate after ``label``, once per step; a failure says what is saved."""
             if self._host_step not in evaluated:
                 evaluated.clear()
-                evaluated[self._host_step] = self._evaluate_epoch(*evaluation, label)
+                evaluated[self._host_step] = self._evaluate_epoch(
+                    *evaluation, label, lambda: self._saved_note(saved, store))
             return evaluated[self._host_step]
 
         stopped = []  # why the last epoch's train() stopped early: "max_steps" or "signal"
@@ -583,12 +591,12 @@ class Trainer:
             with PreemptionGuard() as guard:
                 def after_step(position):
                     step = self._host_step
+                    if save_every_n_steps and step % save_every_n_steps == 0:
+                        save(epoch, position, consumed(position))  # before evaluating: kept if that fails
                     if eval_every_n_steps and step % eval_every_n_steps == 0:
                         results = evaluate(f"step {step}")
                         self._save_best(results, epoch, position, consumed(position), save_min,
                                         save_max, workdir, config)
-                    if save_every_n_steps and step % save_every_n_steps == 0:
-                        save(epoch, position, consumed(position))
                     if max_steps is not None and step >= max_steps:
                         stopped.append("max_steps")
                         return True
@@ -629,6 +637,8 @@ class Trainer:
                     if not finished and stopped[0] == "signal":
                         self._stop_for_preemption(store, guard, epoch, position, consumed(position),
                                                   config)
+                    last = ((stopped and stopped[0] == "max_steps") or
+                            (n_epochs is not None and epoch + 1 == n_epochs))
                     if finished:
                         # resumed at an example that is not a multiple of the update: said anew
                         anew = (begun["example"] % per_update) != 0
@@ -639,13 +649,17 @@ class Trainer:
                             self.deployer.log_info(
                                 f"epoch {epoch + 1}: its last {left} examples do not fill an "
                                 f"update of {per_update} and were left out.")
+                        # saved before the evaluation, so an evaluation that fails loses no training
+                        if ((save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0)
+                                or (save_last_ckpt and last)):
+                            save(epoch + 1, 0, 0)
                         results = evaluate(f"epoch {epoch + 1}{of}")
                         self._save_best(results, epoch + 1, 0, 0, save_min, save_max, workdir, config)
-                        if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:
-                            save(epoch + 1, 0, 0)
                     if stopped and stopped[0] == "max_steps":
                         end = (epoch + 1, 0, 0) if finished else (epoch, position, consumed(position))
                         if not finished:
+                            if save_last_ckpt:
+                                save(*end)
                             results = evaluate(f"step {self._host_step} (max_steps)")
                             self._save_best(results, *end, save_min, save_max, workdir, config)
                         break
@@ -687,16 +701,26 @@ class Trainer:
         raise SystemExit(0)
 
     def _evaluate_epoch(self, eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn,
-                        label):
+                        label, saved_note=None):
+        """The eval results after ``label``; an error in any part is raised as an
+        :class:`EvaluationError` naming that part and ``saved_note()`` (what is saved)."""
         results = {}
         if eval_examples is None:
             return results
-        if eval_loss:
-            results.update(self._evaluate(eval_examples, eval_bs))
-        if eval_predictor is not None:
-            preds = eval_predictor.predict(eval_examples, eval_bs, params=self.params)
-            if eval_metric_fn is not None:
-                results.update(eval_metric_fn(eval_examples, preds))
+        part = "the eval loss (collate_fn or loss_fn with is_training=False)"
+        try:
+            if eval_loss:
+                results.update(self._evaluate(eval_examples, eval_bs))
+            if eval_predictor is not None:
+                part = "eval_predictor (collate_fn, pred_fn or output_fn)"
+                preds = eval_predictor.predict(eval_examples, eval_bs, params=self.params)
+                if eval_metric_fn is not None:
+                    part = "eval_metric_fn"
+                    results.update(eval_metric_fn(eval_examples, preds))
+        except Exception as e:
+            note = saved_note() if saved_note is not None else ""
+            raise EvaluationError(f"the evaluation after {label} failed in {part}: "
+                                  f"{type(e).__name__}: {e}" + (f"; {note}" if note else "")) from e
         if results:
             shown = ", ".join(f"{k} = {v:.4f}" if isinstance(v, float) else f"{k} = {v}"
                               for k, v in results.items())
@@ -723,6 +747,22 @@ class Trainer:
             self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
                                    f"(step {self._host_step}) in {best_store.directory}")
 
+    def _best_on_disk(self, workdir):
+        """``{tag: value}`` of the best checkpoints kept in ``workdir``: a step's checkpoint is
+        written before its evaluation, so its record may not hold the best that evaluation kept."""
+        from etils import epath
+        directory = epath.Path(workdir) / "checkpoints"
+        best = {}
+        for path in sorted(directory.iterdir()) if directory.exists() else []:
+            if not path.name.startswith("best_"):
+                continue
+            best_store = CheckpointStore(str(path), logger=self.deployer.logger)
+            meta = best_store.latest_meta()
+            best_store.close()
+            if meta is not None and path.name in meta.get("best", {}):
+                best[path.name] = meta["best"][path.name]
+        return best
+
     def _examples_consumed(self, meta, per_update):
         """Examples of the checkpoint's epoch (in its order) trained before it. A checkpoint of
         the previous format records only updates: of the size its config records, else (with a
@@ -741,6 +781,26 @@ class Trainer:
             "Fix: resume with that run's per_device_batch_size, devices and "
             "accumulate_grad_batches.")
         return position * per_update
+
+    def _saved_note(self, saved, store):
+        """What is on disk for a rerun to resume from (said when an evaluation fails)."""
+        if store is None:
+            how = ("pass workdir=... to Deployer" if self.deployer.workdir is None else
+                   "pass save_every_k_epochs=1 (or save_every_n_steps=...) to fit")
+            return (f"no checkpoint was saved, so a rerun starts afresh. Fix: correct it, and "
+                    f"{how} to keep the training done before an evaluation.")
+        if not saved:
+            return ("no checkpoint has been saved in this run, so a rerun starts afresh (fit "
+                    "saves every save_every_k_epochs epochs and every save_every_n_steps updates, "
+                    "before evaluating). Fix: correct it and run again.")
+        step, epoch, position, directory = saved[0]
+        if step == self._host_step:
+            what = f"epoch {epoch}" if position == 0 else f"step {step}"
+            return (f"{what} is saved at {directory}/{step} and a rerun resumes from there. "
+                    "Fix: correct it and run the same command again.")
+        return (f"the newest checkpoint is {directory}/{step} (step {step}): a rerun resumes "
+                f"from there and trains the {self._host_step - step} updates since again. Fix: "
+                "correct it and run the same command again.")
 
     def _warn_if_config_changed(self, saved, current):
         def changed(keys):

@@ -17,8 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from redcoast import (CheckpointError, ConfigError, Deployer, LossError, NonFiniteLossError,
-                      Trainer)
+from redcoast import (CheckpointError, ConfigError, Deployer, EvaluationError, LossError,
+                      NonFiniteLossError, Trainer)
 from redcoast.checkpoint import CheckpointStore
 from redcoast.workdir import LOCK_NAME, STALE_AFTER_S, WorkdirLock, absolute
 
@@ -517,4 +517,71 @@ def test_a_checkpoint_in_the_previous_format_still_resumes(stopped_runs, tmp_pat
     log = (workdir / "log.txt").read_text()
     assert "its first 16 examples" in log
     assert ("does not record how many examples" in log) == (not keep_config)
+
+# -- 9. an evaluation that fails loses no training: the checkpoint is written before it ---------
+
+def predictor_of(trainer):
+    return trainer.get_default_predictor(lambda rng, params, batch: batch["x"] @ params["w"])
+
+
+def metric_failing_at(calls):
+    """A metric that raises at its ``calls``-th call (counting from 1)."""
+    seen = []
+
+    def metric(examples, preds):
+        seen.append(1)
+        if len(seen) == calls:
+            raise ZeroDivisionError("the metric divided by zero")
+        return {"mean_pred": float(np.mean(preds))}
+    return metric
+
+
+@pytest.mark.parametrize("every", ["epoch", "steps"])
+def test_a_failing_evaluation_keeps_the_checkpoint_written_before_it(tmp_path, every):
+    saving = (dict(save_every_k_epochs=1) if every == "epoch" else
+              dict(save_every_n_steps=2, eval_every_n_steps=2))
+    trainer = linear_trainer(tmp_path)
+    held_out = examples(8, seed=1)
+    with pytest.raises(EvaluationError) as failed:
+        trainer.fit(examples(), 1, 2, eval_examples=held_out, eval_predictor=predictor_of(trainer),
+                    eval_metric_fn=metric_failing_at(1), **saving)
+    step = 4 if every == "epoch" else 2
+    assert trainer.step == step
+    where = str(tmp_path / "checkpoints" / "steps" / str(step))
+    saved = "epoch 1 is saved at" if every == "epoch" else f"step {step} is saved at"
+    label = "epoch 1/2" if every == "epoch" else f"step {step}"
+    message = str(failed.value)
+    assert f"the evaluation after {label} failed in eval_metric_fn: ZeroDivisionError: the metric " \
+           f"divided by zero; {saved} {where} and a rerun resumes from there" in message, message
+    assert isinstance(failed.value.__cause__, ZeroDivisionError)
+    assert os.listdir(tmp_path / "checkpoints" / "steps") == [str(step)]
+    # the rerun, with the metric fixed, goes on from there as if nothing had failed
+    rerun = linear_trainer(tmp_path)
+    rerun.fit(examples(), 1, 2, eval_examples=held_out, eval_predictor=predictor_of(rerun),
+              eval_metric_fn=metric_failing_at(0), **saving)
+    assert f"resumed from {where}: step {step}" in (tmp_path / "log.txt").read_text()
+    uninterrupted = linear_trainer()
+    uninterrupted.fit(examples(), 1, 2)
+    assert rerun.step == 8
+    assert_trees_equal(rerun.params, uninterrupted.params)
+
+
+def test_a_best_kept_by_the_evaluation_after_a_checkpoint_is_remembered_on_resume(tmp_path):
+    # the checkpoint of epoch 1 is written before its evaluation, so its record does not hold the
+    # best that evaluation kept: a resume reads it from the best checkpoint itself
+    held_out = examples(8, seed=1)
+    kwargs = dict(eval_examples=held_out, save_every_k_epochs=1, save_argmax_ckpt_by_metrics=["loss"])
+    linear_trainer(tmp_path).fit(examples(), 1, 1, **kwargs)  # epoch 1: the best (the only one)
+    best = tmp_path / "checkpoints" / "best_max_loss"
+    assert os.listdir(best) == ["4"]
+    linear_trainer(tmp_path).fit(examples(), 1, 2, **kwargs)  # epoch 2's loss is lower: not the max
+    assert os.listdir(best) == ["4"]
+
+
+def test_an_evaluation_failing_without_a_checkpoint_says_so():
+    trainer = linear_trainer()
+    with pytest.raises(EvaluationError, match=r"after epoch 1/1 failed in eval_metric_fn: .*no "
+                                              r"checkpoint was saved.*Fix:.*workdir=\.\.\."):
+        trainer.fit(examples(), 1, 1, eval_examples=examples(8, seed=1),
+                    eval_predictor=predictor_of(trainer), eval_metric_fn=metric_failing_at(1))
 
