@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from collections.abc import Mapping
 import os
 import time
 
@@ -14,9 +15,9 @@ from tqdm.auto import tqdm
 from . import validate
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
-from .data import (BatchMaker, Stream, epoch_order, examples_by_epoch, is_iterator, is_sequence,
-                   padded_batches, prefetch)
-from .errors import ConfigError, DataError, EvaluationError, NonFiniteLossError
+from .data import (BatchMaker, Stream, check_collated, epoch_order, examples_by_epoch, is_iterator,
+                   is_sequence, padded_batches, prefetch, take)
+from .errors import ConfigError, DataError, EvaluationError, LossError, NonFiniteLossError
 from .host import to_host
 from .layout import (Candidate, Recipe, build_layout, choose_layout, frozen_shardings,
                      lower_train_step, placed_on, shape_plan)
@@ -561,6 +562,8 @@ class Trainer:
                         "right only if it starts where that run's started. Fix: pass a function "
                         "returning a fresh iterator (`lambda epoch: my_generator(epoch)`, or one "
                         "with no argument) or a re-iterable (a datasets.IterableDataset).")
+        if eval_examples is not None and eval_loss:
+            self._check_eval_loss(eval_examples)  # now, not after the first epoch has trained
 
         def save(epoch, position, consumed):
             if store is not None:
@@ -716,7 +719,13 @@ class Trainer:
                 preds = eval_predictor.predict(eval_examples, eval_bs, params=self.params)
                 if eval_metric_fn is not None:
                     part = "eval_metric_fn"
-                    results.update(eval_metric_fn(eval_examples, preds))
+                    metrics = eval_metric_fn(eval_examples, preds)
+                    if not isinstance(metrics, Mapping):
+                        raise ConfigError(
+                            f"eval_metric_fn returned {type(metrics).__name__} ({metrics!r:.60}); "
+                            "it must return a dict of named results, e.g. {'accuracy': 0.93}, as "
+                            "redco's did. Fix: return a dict from eval_metric_fn.")
+                    results.update(metrics)
         except Exception as e:
             note = saved_note() if saved_note is not None else ""
             raise EvaluationError(f"the evaluation after {label} failed in {part}: "
@@ -781,6 +790,37 @@ class Trainer:
             "Fix: resume with that run's per_device_batch_size, devices and "
             "accumulate_grad_batches.")
         return position * per_update
+
+    def _check_eval_loss(self, eval_examples):
+        """Trace (not run) ``loss_fn`` with ``is_training=False`` on one eval example, as the
+        evaluation calls it, so that what it returns there is checked before any training."""
+        if self.loss_fn is None:
+            return
+        import random
+        from .steps import cast_floating, split_loss_output, with_frozen_cast
+        # a collate_fn drawing from the global random generators (masking, augmentation) must
+        # draw for training exactly what it drew before this check existed
+        states = random.getstate(), np.random.get_state()
+        try:
+            batch = _abstract(check_collated(self.collate_fn(take(eval_examples, [0])), 1))
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+        dtype = self.compute_dtype
+
+        def eval_loss(state, batch, rng):
+            return split_loss_output(self.loss_fn(rng, with_frozen_cast(state, dtype),
+                                                  cast_floating(state.params, dtype), batch, False))
+        try:
+            # the stored state: the user's shapes, and nothing computed to present it
+            jax.eval_shape(eval_loss, self._state, batch, self._eval_rng)
+        except LossError as e:
+            raise LossError(
+                f"{e} (Found before any training, by tracing loss_fn with is_training=False as "
+                "the evaluation of eval_examples calls it; or pass eval_loss=False to evaluate "
+                "with eval_predictor alone.)") from e
+        except Exception:  # noqa: BLE001 - anything else the evaluation itself reports, in full
+            pass
 
     def _saved_note(self, saved, store):
         """What is on disk for a rerun to resume from (said when an evaluation fails)."""

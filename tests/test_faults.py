@@ -518,6 +518,7 @@ def test_a_checkpoint_in_the_previous_format_still_resumes(stopped_runs, tmp_pat
     assert "its first 16 examples" in log
     assert ("does not record how many examples" in log) == (not keep_config)
 
+
 # -- 9. an evaluation that fails loses no training: the checkpoint is written before it ---------
 
 def predictor_of(trainer):
@@ -585,3 +586,34 @@ def test_an_evaluation_failing_without_a_checkpoint_says_so():
         trainer.fit(examples(), 1, 1, eval_examples=examples(8, seed=1),
                     eval_predictor=predictor_of(trainer), eval_metric_fn=metric_failing_at(1))
 
+
+def test_a_metric_that_returns_a_float_is_refused_after_the_epoch_is_saved(tmp_path):
+    trainer = linear_trainer(tmp_path)
+    with pytest.raises(EvaluationError, match=r"failed in eval_metric_fn: ConfigError: "
+                                              r"eval_metric_fn returned float \(0\.5\); it must "
+                                              r"return a dict.*Fix: return a dict.*epoch 1 is saved"):
+        trainer.fit(examples(), 1, 2, eval_examples=examples(8, seed=1), save_every_k_epochs=1,
+                    eval_predictor=predictor_of(trainer), eval_metric_fn=lambda e, p: 0.5)
+    assert os.listdir(tmp_path / "checkpoints" / "steps") == ["4"]
+
+
+def test_eval_inputs_that_would_fail_late_are_refused_before_any_training():
+    trainer = linear_trainer()
+    for sanity_check in (False, True):  # redco's eval_sanity_check reads it before fit's checks
+        with pytest.raises(ConfigError, match=r"eval_examples is a generator, without len\(\) and "
+                                              r"indexing.*Fix: eval_examples=list\(eval_examples\)"):
+            trainer.fit(examples(), 1, 1, eval_examples=(e for e in examples(8)),
+                        eval_sanity_check=sanity_check)
+    assert trainer.step == 0
+
+    def no_eval_loss(rng, state, params, batch, is_training):
+        if is_training:
+            return mse(rng, state, params, batch, is_training)
+
+    trainer = linear_trainer(loss=no_eval_loss)
+    with pytest.raises(LossError, match=r"loss_fn returned None.*Fix: return the loss on every "
+                                        r"path.*before any training.*is_training=False.*eval_loss=False"):
+        trainer.fit(examples(), 1, 1, eval_examples=examples(8))
+    assert trainer.step == 0
+    trainer.fit(examples(), 1, 1, eval_examples=examples(8), eval_loss=False)  # nothing to check
+    assert trainer.step == 4
