@@ -291,8 +291,8 @@ class Trainer:
                     "re-iterable that starts the epoch afresh), or resume=False.")
         maker = BatchMaker(self.mesh, self.collate_fn, global_batch, micro_batches=k)
         if stream is None:
-            batches = prefetch(maker.make(examples, order[skip + i * per_update:skip + (i + 1) * per_update])
-                               for i in range(n_steps - start_position))
+            starts = skip + per_update * np.arange(n_steps - start_position)
+            batches = prefetch(maker.make(examples, order[s:s + per_update]) for s in starts)
         else:  # every process reads the whole stream and collates only its own rows
             rows = np.arange(per_update)
             batches = prefetch(maker.make(group, rows) for group in stream.updates(per_update))
@@ -546,8 +546,9 @@ class Trainer:
                 if start_example:
                     resumed = None if streamed else examples_of(start_epoch)
                     listed = resumed is not None and is_sequence(resumed)
-                    into += (f": its first {start_example} examples{' (in its order)' if listed else ''}"
-                             " were trained before the checkpoint and are skipped")
+                    into += (f": its first {start_example} examples"
+                             f"{' (in its order)' if listed else ''} were trained before the "
+                             "checkpoint and are skipped")
                     if listed:
                         left = _updates_after(len(resumed), start_example, per_update, start_epoch)
                         into += f"; {left} updates of {per_update} remain"
@@ -595,7 +596,7 @@ class Trainer:
                 def after_step(position):
                     step = self._host_step
                     if save_every_n_steps and step % save_every_n_steps == 0:
-                        save(epoch, position, consumed(position))  # before evaluating: kept if that fails
+                        save(epoch, position, consumed(position))  # kept if the evaluation fails
                     if eval_every_n_steps and step % eval_every_n_steps == 0:
                         results = evaluate(f"step {step}")
                         self._save_best(results, epoch, position, consumed(position), save_min,
