@@ -467,8 +467,8 @@ def resume_from(stopped, tmp_path, kind, per_device_batch_size, accumulate=1):
 @pytest.mark.parametrize("kind", ["list", "stream"])
 @pytest.mark.parametrize("per_device_batch_size, accumulate, updates_left", [
     (1, 1, 8), (4, 1, 2),  # half and double the batch (16 examples trained: not a multiple of 32)
-    pytest.param(2, 1, 4, marks=pytest.mark.slow),  # the same batch
-    pytest.param(1, 4, 2, marks=pytest.mark.slow),  # double the update by accumulation
+    (2, 1, 4),  # the same batch
+    (1, 4, 2),  # double the update by accumulation
 ])
 def test_a_resume_with_another_batch_size_trains_each_example_once(
         stopped_runs, tmp_path, kind, per_device_batch_size, accumulate, updates_left):
