@@ -2,13 +2,14 @@
 
 from .compat import Deployer, Predictor, RedcoCompatWarning, Trainer  # core classes + redco's forms
 from .lora import LoRA, load_adapters, save_adapters
-from .errors import (CheckpointError, ConfigError, DataError, LayoutCheckError, LossError,
-                     NonFiniteLossError, RedcoastError)
+from .errors import (CheckpointError, ConfigError, DataError, EvaluationError, LayoutCheckError,
+                     LossError, NonFiniteLossError, RedcoastError)
 from .sharding import ShardingPlan
 from .train_state import TrainState
 
 __version__ = "0.1.0"
 
 __all__ = ["Deployer", "Trainer", "Predictor", "TrainState", "ShardingPlan", "RedcoastError",
-           "CheckpointError", "ConfigError", "DataError", "LayoutCheckError", "LossError", "NonFiniteLossError",
-           "RedcoCompatWarning", "LoRA", "save_adapters", "load_adapters"]
+           "CheckpointError", "ConfigError", "DataError", "EvaluationError", "LayoutCheckError",
+           "LossError", "NonFiniteLossError", "RedcoCompatWarning", "LoRA", "save_adapters",
+           "load_adapters"]

@@ -104,6 +104,17 @@ class CheckpointStore:
             return from_saved(restored["state"], abstract_state), restored["meta"]
         return None
 
+    def latest_meta(self):
+        """The JSON record of the newest checkpoint that has a readable one (no arrays read),
+        or None."""
+        for step in reversed(self.steps()):
+            try:
+                return self._manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))["meta"]
+            except Exception:  # noqa: BLE001 - a damaged record: the one before it
+                continue
+        return None
+
     def restore_latest_or_fail(self, abstract_state):
         """As :meth:`restore_latest`, but checkpoints that exist and none restores are an error
         (training from scratch would silently drop the run they hold); None if there are none."""

@@ -22,7 +22,9 @@ from .sharding.paths import key_to_str, path_to_str
 
 
 def epoch_order(n_examples, seed, epoch, shuffle=True):
-    """The order in which an epoch visits the examples: a permutation from (seed, epoch) only."""
+    """The order in which an epoch visits the examples: a permutation from (seed, epoch) only,
+    never from the batch size or the devices, so a run resumed with another batch size goes on
+    at the first example of this order that the interrupted run had not trained."""
     if not shuffle:
         return np.arange(n_examples)
     return np.random.default_rng([seed, epoch]).permutation(n_examples)

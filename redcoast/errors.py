@@ -27,3 +27,8 @@ class CheckpointError(RedcoastError, RuntimeError):
 
 class LayoutCheckError(RedcoastError, AssertionError):
     """A layout's loss or gradients differ from one device's (``Trainer.check_layout``)."""
+
+
+class EvaluationError(RedcoastError, RuntimeError):
+    """An evaluation during ``fit`` failed; the message says in which function (the original
+    error is its ``__cause__``) and which checkpoint a rerun resumes from."""

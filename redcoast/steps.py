@@ -35,6 +35,11 @@ def split_loss_output(output):
         loss, metrics = output
     else:
         loss, metrics = output, {}
+    if loss is None:
+        raise LossError(
+            "loss_fn returned None; it must return a scalar loss or (scalar loss, dict of scalar "
+            "metrics). Fix: return the loss on every path of loss_fn, for is_training=True and "
+            "False alike.")
     try:
         loss = jnp.asarray(loss)
     except TypeError as e:

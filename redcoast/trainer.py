@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from collections.abc import Mapping
 import os
 import time
 
@@ -17,7 +18,8 @@ from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
 from .data import (BatchMaker, Stream, check_collated, epoch_order, examples_by_epoch, is_iterator,
                    is_sequence, padded_batches, prefetch, take)
-from .errors import ConfigError, DataError, LayoutCheckError, NonFiniteLossError
+from .errors import (ConfigError, DataError, EvaluationError, LayoutCheckError, LossError,
+                     NonFiniteLossError)
 from .host import to_host
 from .layout import (Candidate, Recipe, build_layout, choose_layout, frozen_shardings,
                      lower_train_step, placed_on, shape_plan)
@@ -302,15 +304,20 @@ class Trainer:
                                 self.accumulate_grad_batches, self._train_rng).compile()
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
-              log_every_n_steps=10, start_position=0, after_step=None, check_layout=False):
+              log_every_n_steps=10, start_position=0, after_step=None, start_example=None,
+              check_layout=False):
         """One pass over ``examples`` from update ``start_position`` of the epoch on: a sequence
         is shuffled from the seed and ``epoch``; any other iterable (a generator, a
         ``datasets.IterableDataset``, a :class:`~redcoast.data.Stream`) is read in order until it
-        ends, its first ``start_position`` updates' examples skipped without collating. The last
-        incomplete update is not trained on (a stream's count of them is in its ``leftover``).
+        ends. ``start_example``: how many examples of the epoch (in its order) were trained before
+        (default ``start_position`` updates' worth at this batch size; an interrupted run may
+        have trained them in updates of another size): training goes on at the next one, a
+        stream's first ones skipped without collating. The last incomplete update is not trained
+        on (a stream's count of them is in its ``leftover``).
 
         ``after_step(position)`` runs after each update (``position`` updates of this epoch
-        done); if it returns True the epoch stops there. Returns the position reached.
+        done, counting from ``start_position``); if it returns True the epoch stops there.
+        Returns the position reached.
         ``check_layout=True``: the layout is checked against one device on the first batch
         before the first update this trainer runs (:meth:`check_layout`).
         """
@@ -330,22 +337,24 @@ class Trainer:
             self._check_layout_on(first_batch(self.mesh), rtol=None)
         global_batch = self.global_batch_size(per_device_batch_size)
         per_update = global_batch * k
+        skip = start_position * per_update if start_example is None else int(start_example)
         if stream is None:
-            n_steps = self.updates_per_epoch(len(examples), per_device_batch_size)
+            self.updates_per_epoch(len(examples), per_device_batch_size)  # one update fits
+            n_steps = start_position + _updates_after(len(examples), skip, per_update, epoch)
         else:
             examples, order, n_steps = stream, None, None  # its length is unknown until it ends
-            skipped = stream.skip(start_position * per_update)
-            if skipped < start_position * per_update:
+            skipped = stream.skip(skip)
+            if skipped < skip:
                 raise DataError(
                     f"train_examples ended after {skipped} examples of epoch {epoch + 1}, but "
-                    f"{start_position * per_update} of them were trained on before the resumed "
+                    f"{skip} of them were trained on before the resumed "
                     "checkpoint: it is not the stream the interrupted run read. Fix: give the "
                     "same examples in the same order on resume (a function of the epoch or a "
                     "re-iterable that starts the epoch afresh), or resume=False.")
         maker = BatchMaker(self.mesh, self.collate_fn, global_batch, micro_batches=k)
         if stream is None:
-            batches = prefetch(maker.make(examples, order[i * per_update:(i + 1) * per_update])
-                               for i in range(start_position, n_steps))
+            starts = skip + per_update * np.arange(n_steps - start_position)
+            batches = prefetch(maker.make(examples, order[s:s + per_update]) for s in starts)
         else:  # every process reads the whole stream and collates only its own rows
             rows = np.arange(per_update)
             batches = prefetch(maker.make(group, rows) for group in stream.updates(per_update))
@@ -373,7 +382,7 @@ class Trainer:
                 self._log_train(pending, bar, batch, timed, since)
         finally:
             bar.close()
-        if stream is not None and start_position == 0 and position == 0:
+        if stream is not None and skip == 0 and position == 0:
             raise ConfigError(
                 f"train_examples ended after {stream.leftover} examples in epoch {epoch + 1}, "
                 f"fewer than one update of {per_update} (per_device_batch_size="
@@ -561,13 +570,20 @@ class Trainer:
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
             self._saved_part(self._state), self._saved_part(self.layout.state_shardings))
 
-    def save_checkpoint(self, store, epoch, position, config=None):
-        """Start saving the full training state to ``store`` (a :class:`CheckpointStore`)."""
+    def save_checkpoint(self, store, epoch, position, config=None, examples_consumed=None):
+        """Start saving the full training state to ``store`` (a :class:`CheckpointStore`);
+        ``(epoch, position, examples_consumed)``: where a run resumed from it starts: ``position``
+        updates and ``examples_consumed`` examples (in the epoch's order) into ``epoch``. Left
+        None, ``examples_consumed`` is ``position`` updates of ``config``'s size where it has one."""
         self._check_finite()
+        if examples_consumed is None and (position == 0 or _per_update(config) is not None):
+            examples_consumed = position * (_per_update(config) or 0)
         meta = {"step": self._host_step, "epoch": int(epoch), "position": int(position),
                 "train_rng": key_to_json(to_host(self._train_rng)),
                 "eval_rng": key_to_json(to_host(self._eval_rng)),
                 "best": dict(self._best), "config": config or {}}
+        if examples_consumed is not None:  # what a resume skips, whatever its batch size
+            meta["examples_consumed"] = int(examples_consumed)
         store.save(self._host_step, self._saved_part(self.state), meta)  # in the user's layout
         return meta
 
@@ -608,8 +624,12 @@ class Trainer:
         keep the best by an eval result ('loss' or a key of ``eval_metric_fn``'s dict). With
         ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
         exactly as if it had never stopped (a stream is started afresh and the examples already
-        trained on skipped). ``check_layout=True``: before the first update, the layout is
-        checked against one device on the first batch (see :meth:`check_layout`).
+        trained on skipped); resumed with another batch size, the epoch goes on at its first
+        example not trained yet. A checkpoint is written before the evaluation that follows it;
+        an evaluation that fails raises :class:`~redcoast.errors.EvaluationError`, which says
+        where that checkpoint is.
+        ``check_layout=True``: before the first update, the layout is checked against one
+        device on the first batch (see :meth:`check_layout`).
         """
         self._require_concrete("fit")
         validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
@@ -663,51 +683,76 @@ class Trainer:
             except BaseException:
                 lock.release()
                 raise
-        start_epoch, start_position = self._first_epoch, 0
+        # where this run starts: an epoch, updates and examples (in the epoch's order) into it
+        start_epoch, start_position, start_example = self._first_epoch, 0, 0
+        saved = []  # (step, epoch, position, directory) of the newest checkpoint on disk
         if resume and store is not None and store.steps():
             meta = self.restore_checkpoint(store)
             if meta is not None:
                 start_epoch, start_position = meta["epoch"], meta["position"]
+                start_example = self._examples_consumed(meta, per_update)
+                saved.append((meta["step"], start_epoch, start_position, store.directory))
+                self._best.update(self._best_on_disk(workdir))
                 self._warn_if_config_changed(meta.get("config", {}), config)
-                into = (f"{start_position}/{n_steps} updates" if not streamed else
-                        f"{start_position} updates ({start_position * per_update} examples)")
+                into = f"{start_position} update{'' if start_position == 1 else 's'} into it"
+                if start_example:
+                    resumed = None if streamed else examples_of(start_epoch)
+                    listed = resumed is not None and is_sequence(resumed)
+                    into += (f": its first {start_example} examples"
+                             f"{' (in its order)' if listed else ''} were trained before the "
+                             "checkpoint and are skipped")
+                    if listed:
+                        left = _updates_after(len(resumed), start_example, per_update, start_epoch)
+                        into += f"; {left} updates of {per_update} remain"
                 self.deployer.log_info(
                     f"resumed from {store.directory}/{meta['step']}: step {meta['step']}, epoch "
-                    f"{start_epoch + 1}, {into} into it")
-                if one_shot and start_position:
+                    f"{start_epoch + 1}, {into}")
+                if one_shot and start_example:
                     self.deployer.log_warning(
                         f"train_examples is an iterator ({type(train_examples).__name__}), which "
-                        f"cannot be rewound: resuming skips the first {start_position * per_update} "
+                        f"cannot be rewound: resuming skips the first {start_example} "
                         "examples it gives, as the interrupted run trained on those; that is "
                         "right only if it starts where that run's started. Fix: pass a function "
                         "returning a fresh iterator (`lambda epoch: my_generator(epoch)`, or one "
                         "with no argument) or a re-iterable (a datasets.IterableDataset).")
+        if eval_examples is not None and eval_loss:
+            self._check_eval_loss(eval_examples)  # now, not after the first epoch has trained
 
-        def save(epoch, position):
+        def save(epoch, position, consumed):
             if store is not None:
-                self.save_checkpoint(store, epoch, position, config)
+                self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
+                saved[:] = [(self._host_step, epoch, position, store.directory)]
 
         multi_process = jax.process_count() > 1
         evaluation = (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn)
         evaluated = {}  # host step -> eval results (one evaluation per step)
 
         def evaluate(label):
+            """Evaluate after ``label``, once per step; a failure says what is saved."""
             if self._host_step not in evaluated:
                 evaluated.clear()
-                evaluated[self._host_step] = self._evaluate_epoch(*evaluation, label)
+                evaluated[self._host_step] = self._evaluate_epoch(
+                    *evaluation, label, lambda: self._saved_note(saved, store))
             return evaluated[self._host_step]
 
         stopped = []  # why the last epoch's train() stopped early: "max_steps" or "signal"
-        end = (n_epochs, 0)  # where a run continuing this one would start
+        end = (n_epochs, 0, 0)  # where a run continuing this one would start
+        # this epoch's start in updates and examples: updates after it are of per_update examples
+        begun = {"position": start_position, "example": start_example}
+
+        def consumed(position):
+            return begun["example"] + (position - begun["position"]) * per_update
+
         try:
             with PreemptionGuard() as guard:
                 def after_step(position):
                     step = self._host_step
+                    if save_every_n_steps and step % save_every_n_steps == 0:
+                        save(epoch, position, consumed(position))  # kept if the evaluation fails
                     if eval_every_n_steps and step % eval_every_n_steps == 0:
                         results = evaluate(f"step {step}")
-                        self._save_best(results, epoch, position, save_min, save_max, workdir, config)
-                    if save_every_n_steps and step % save_every_n_steps == 0:
-                        save(epoch, position)
+                        self._save_best(results, epoch, position, consumed(position), save_min,
+                                        save_max, workdir, config)
                     if max_steps is not None and step >= max_steps:
                         stopped.append("max_steps")
                         return True
@@ -720,14 +765,21 @@ class Trainer:
 
                 epochs = range(start_epoch, n_epochs) if n_epochs is not None else itertools.count(start_epoch)
                 for epoch in epochs:
+                    resumed_epoch = epoch == start_epoch
+                    begun["position"] = start_position if resumed_epoch else 0
+                    begun["example"] = start_example if resumed_epoch else 0
                     if max_steps is not None and self._host_step >= max_steps:  # resumed at the end
-                        end = (epoch, start_position if epoch == start_epoch else 0)
+                        end = (epoch, begun["position"], begun["example"])
                         break
                     train_examples = examples_of(epoch)
                     streamed = isinstance(train_examples, Stream)  # a function may change kind
-                    n_steps = None if streamed else self.updates_per_epoch(len(train_examples),
-                                                                           per_device_batch_size)
-                    position = start_position if epoch == start_epoch else 0
+                    position = begun["position"]
+                    if streamed:
+                        n_steps = None
+                    else:
+                        self.updates_per_epoch(len(train_examples), per_device_batch_size)  # one fits
+                        n_steps = position + _updates_after(len(train_examples), begun["example"],
+                                                            per_update, epoch)
                     stopped.clear()
                     of = f"/{n_epochs}" if n_epochs is not None else ""
                     if n_steps is None or position < n_steps:
@@ -735,30 +787,41 @@ class Trainer:
                                               shuffle=shuffle, desc=f"epoch {epoch + 1}{of}",
                                               log_every_n_steps=log_every_n_steps,
                                               start_position=position, after_step=after_step,
+                                              start_example=begun["example"],
                                               check_layout=check_layout)
                     # a stream's end is known only once read: stopped early, it may hold more
                     finished = not stopped or position == n_steps
                     if not finished and stopped[0] == "signal":
-                        self._stop_for_preemption(store, guard, epoch, position, config)
+                        self._stop_for_preemption(store, guard, epoch, position, consumed(position),
+                                                  config)
+                    last = ((stopped and stopped[0] == "max_steps") or
+                            (n_epochs is not None and epoch + 1 == n_epochs))
                     if finished:
+                        # resumed at an example that is not a multiple of the update: said anew
+                        anew = (begun["example"] % per_update) != 0
                         left = (train_examples.leftover if streamed else
-                                0 if fixed else len(train_examples) % per_update)
+                                0 if fixed and not anew else
+                                (len(train_examples) - begun["example"]) % per_update)
                         if left:
                             self.deployer.log_info(
                                 f"epoch {epoch + 1}: its last {left} examples do not fill an "
                                 f"update of {per_update} and were left out.")
+                        # saved before the evaluation, so an evaluation that fails loses no training
+                        if ((save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0)
+                                or (save_last_ckpt and last)):
+                            save(epoch + 1, 0, 0)
                         results = evaluate(f"epoch {epoch + 1}{of}")
-                        self._save_best(results, epoch + 1, 0, save_min, save_max, workdir, config)
-                        if save_every_k_epochs and (epoch + 1) % save_every_k_epochs == 0:
-                            save(epoch + 1, 0)
+                        self._save_best(results, epoch + 1, 0, 0, save_min, save_max, workdir, config)
                     if stopped and stopped[0] == "max_steps":
+                        end = (epoch + 1, 0, 0) if finished else (epoch, position, consumed(position))
                         if not finished:
+                            if save_last_ckpt:
+                                save(*end)
                             results = evaluate(f"step {self._host_step} (max_steps)")
-                            self._save_best(results, epoch, position, save_min, save_max, workdir, config)
-                        end = (epoch + 1, 0) if finished else (epoch, position)
+                            self._save_best(results, *end, save_min, save_max, workdir, config)
                         break
                     if guard.requested_anywhere():
-                        self._stop_for_preemption(store, guard, epoch + 1, 0, config)
+                        self._stop_for_preemption(store, guard, epoch + 1, 0, 0, config)
                 if save_last_ckpt:
                     save(*end)
         finally:  # whatever happened, finish writing the checkpoints already started
@@ -783,9 +846,9 @@ class Trainer:
         return CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
                                logger=self.deployer.logger)
 
-    def _stop_for_preemption(self, store, guard, epoch, position, config):
+    def _stop_for_preemption(self, store, guard, epoch, position, consumed, config):
         if store is not None:
-            self.save_checkpoint(store, epoch, position, config)
+            self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
             store.wait()
             where = f"saved a checkpoint at step {self._host_step} in {store.directory}"
         else:
@@ -795,16 +858,32 @@ class Trainer:
         raise SystemExit(0)
 
     def _evaluate_epoch(self, eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn,
-                        label):
+                        label, saved_note=None):
+        """The eval results after ``label``; an error in any part is raised as an
+        :class:`EvaluationError` naming that part and ``saved_note()`` (what is saved)."""
         results = {}
         if eval_examples is None:
             return results
-        if eval_loss:
-            results.update(self._evaluate(eval_examples, eval_bs))
-        if eval_predictor is not None:
-            preds = eval_predictor.predict(eval_examples, eval_bs, params=self.params)
-            if eval_metric_fn is not None:
-                results.update(eval_metric_fn(eval_examples, preds))
+        part = "the eval loss (collate_fn or loss_fn with is_training=False)"
+        try:
+            if eval_loss:
+                results.update(self._evaluate(eval_examples, eval_bs))
+            if eval_predictor is not None:
+                part = "eval_predictor (collate_fn, pred_fn or output_fn)"
+                preds = eval_predictor.predict(eval_examples, eval_bs, params=self.params)
+                if eval_metric_fn is not None:
+                    part = "eval_metric_fn"
+                    metrics = eval_metric_fn(eval_examples, preds)
+                    if not isinstance(metrics, Mapping):
+                        raise ConfigError(
+                            f"eval_metric_fn returned {type(metrics).__name__} ({metrics!r:.60}); "
+                            "it must return a dict of named results, e.g. {'accuracy': 0.93}, as "
+                            "redco's did. Fix: return a dict from eval_metric_fn.")
+                    results.update(metrics)
+        except Exception as e:
+            note = saved_note() if saved_note is not None else ""
+            raise EvaluationError(f"the evaluation after {label} failed in {part}: "
+                                  f"{type(e).__name__}: {e}" + (f"; {note}" if note else "")) from e
         if results:
             shown = ", ".join(f"{k} = {v:.4f}" if isinstance(v, float) else f"{k} = {v}"
                               for k, v in results.items())
@@ -812,9 +891,9 @@ class Trainer:
             self.deployer.log_metrics({f"eval_{k}": v for k, v in results.items()}, self._host_step)
         return results
 
-    def _save_best(self, results, epoch, position, save_min, save_max, workdir, config):
-        """Keep the best checkpoints by eval results; ``(epoch, position)``: where a run resumed
-        from one would start."""
+    def _save_best(self, results, epoch, position, consumed, save_min, save_max, workdir, config):
+        """Keep the best checkpoints by eval results; ``(epoch, position, consumed)``: where a
+        run resumed from one would start."""
         for name, better in [(m, min) for m in save_min] + [(m, max) for m in save_max]:
             if name not in results:
                 raise ConfigError(f"Cannot keep the best checkpoint by '{name}': the evaluation "
@@ -826,18 +905,111 @@ class Trainer:
             self._best[tag] = value
             best_store = CheckpointStore(os.path.join(workdir, "checkpoints", tag), keep_last_n=1,
                                          logger=self.deployer.logger, replace_existing=True)
-            self.save_checkpoint(best_store, epoch, position, config)
+            self.save_checkpoint(best_store, epoch, position, config, examples_consumed=consumed)
             best_store.close()
             self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
                                    f"(step {self._host_step}) in {best_store.directory}")
 
+    def _best_on_disk(self, workdir):
+        """``{tag: value}`` of the best checkpoints kept in ``workdir``: a step's checkpoint is
+        written before its evaluation, so its record may not hold the best that evaluation kept."""
+        from etils import epath
+        directory = epath.Path(workdir) / "checkpoints"
+        best = {}
+        for path in sorted(directory.iterdir()) if directory.exists() else []:
+            if not path.name.startswith("best_"):
+                continue
+            best_store = CheckpointStore(str(path), logger=self.deployer.logger)
+            meta = best_store.latest_meta()
+            best_store.close()
+            if meta is not None and path.name in meta.get("best", {}):
+                best[path.name] = meta["best"][path.name]
+        return best
+
+    def _examples_consumed(self, meta, per_update):
+        """Examples of the checkpoint's epoch (in its order) trained before it. A checkpoint of
+        the previous format records only updates: of the size its config records, else (with a
+        warning) of this run's."""
+        if "examples_consumed" in meta:
+            return int(meta["examples_consumed"])
+        position = int(meta["position"])
+        recorded = _per_update(meta.get("config"))
+        if position == 0 or recorded is not None:
+            return position * (recorded or 0)
+        self.deployer.log_warning(
+            f"the checkpoint at step {meta['step']} does not record how many examples of epoch "
+            f"{meta['epoch'] + 1} it trained, only {position} updates, nor their size: taking "
+            f"this run's updates of {per_update}, so {position * per_update} examples are skipped. "
+            "If the interrupted run used another batch size, examples are skipped or repeated. "
+            "Fix: resume with that run's per_device_batch_size, devices and "
+            "accumulate_grad_batches.")
+        return position * per_update
+
+    def _check_eval_loss(self, eval_examples):
+        """Trace (not run) ``loss_fn`` with ``is_training=False`` on one eval example, as the
+        evaluation calls it, so that what it returns there is checked before any training."""
+        if self.loss_fn is None:
+            return
+        import random
+        from .steps import cast_floating, split_loss_output, with_frozen_cast
+        # a collate_fn drawing from the global random generators (masking, augmentation) must
+        # draw for training exactly what it drew before this check existed
+        states = random.getstate(), np.random.get_state()
+        try:
+            batch = _abstract(check_collated(self.collate_fn(take(eval_examples, [0])), 1))
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+        dtype = self.compute_dtype
+
+        def eval_loss(state, batch, rng):
+            return split_loss_output(self.loss_fn(rng, with_frozen_cast(state, dtype),
+                                                  cast_floating(state.params, dtype), batch, False))
+        try:
+            # the stored state: the user's shapes, and nothing computed to present it
+            jax.eval_shape(eval_loss, self._state, batch, self._eval_rng)
+        except LossError as e:
+            raise LossError(
+                f"{e} (Found before any training, by tracing loss_fn with is_training=False as "
+                "the evaluation of eval_examples calls it; or pass eval_loss=False to evaluate "
+                "with eval_predictor alone.)") from e
+        except Exception:  # noqa: BLE001 - anything else the evaluation itself reports, in full
+            pass
+
+    def _saved_note(self, saved, store):
+        """What is on disk for a rerun to resume from (said when an evaluation fails)."""
+        if store is None:
+            how = ("pass workdir=... to Deployer" if self.deployer.workdir is None else
+                   "pass save_every_k_epochs=1 (or save_every_n_steps=...) to fit")
+            return (f"no checkpoint was saved, so a rerun starts afresh. Fix: correct it, and "
+                    f"{how} to keep the training done before an evaluation.")
+        if not saved:
+            return ("no checkpoint has been saved in this run, so a rerun starts afresh (fit "
+                    "saves every save_every_k_epochs epochs and every save_every_n_steps updates, "
+                    "before evaluating). Fix: correct it and run again.")
+        step, epoch, position, directory = saved[0]
+        if step == self._host_step:
+            what = f"epoch {epoch}" if position == 0 else f"step {step}"
+            return (f"{what} is saved at {directory}/{step} and a rerun resumes from there. "
+                    "Fix: correct it and run the same command again.")
+        return (f"the newest checkpoint is {directory}/{step} (step {step}): a rerun resumes "
+                f"from there and trains the {self._host_step - step} updates since again. Fix: "
+                "correct it and run the same command again.")
+
     def _warn_if_config_changed(self, saved, current):
-        changed = [k for k in ("jax_seed", "global_batch_size", "accumulate_grad_batches",
-                               "train_size", "shuffle") if k in saved and saved[k] != current[k]]
-        if changed:
+        def changed(keys):
+            return ", ".join(f"{k} ({saved[k]} -> {current[k]})" for k in keys
+                             if k in saved and saved[k] != current[k])
+        order = changed(("jax_seed", "train_size", "shuffle"))
+        if order:
+            self.deployer.log_warning(f"resuming with a different {order}: the data order "
+                                      "changes, so the run will not repeat the interrupted one.")
+        grouping = changed(("global_batch_size", "accumulate_grad_batches"))
+        if grouping:  # the order of the examples does not depend on the batch size
             self.deployer.log_warning(
-                "resuming with a different " + ", ".join(f"{k} ({saved[k]} -> {current[k]})" for k in changed)
-                + ": the data order changes, so the run will not repeat the interrupted one.")
+                f"resuming with a different {grouping}: the epoch goes on at the first example "
+                "the interrupted run had not trained, in the same order, but in updates of "
+                "another size, so the run will not repeat the interrupted one exactly.")
 
 
 def _has_best(directory):
@@ -861,6 +1033,24 @@ def _updates_per_epoch(n_examples, per_device_batch_size, n_data_shards, accumul
             f"(per_device_batch_size={per_device_batch_size} x {n_data_shards} data shards x "
             f"accumulate_grad_batches={accumulate_grad_batches}). Fix: use a smaller batch size.")
     return n_examples // per_update
+
+
+def _per_update(config):
+    """Examples per update recorded in a run's ``config``, or None."""
+    config = config or {}
+    if config.get("global_batch_size") is None or config.get("accumulate_grad_batches") is None:
+        return None
+    return int(config["global_batch_size"]) * int(config["accumulate_grad_batches"])
+
+
+def _updates_after(n_examples, consumed, per_update, epoch):
+    """Updates of ``per_update`` left in an epoch of ``n_examples`` once ``consumed`` are trained."""
+    if consumed > n_examples:
+        raise DataError(
+            f"epoch {epoch + 1} has {n_examples} training examples, but {consumed} of them were "
+            "trained on before the resumed checkpoint: these are not the examples the interrupted "
+            "run trained on. Fix: give the same examples on resume, or resume=False.")
+    return (n_examples - consumed) // per_update
 
 
 def _describe_nonfinite(history):

@@ -71,7 +71,20 @@ def fit_args(per_device_batch_size, n_epochs, eval_examples, eval_per_device_bat
     optional_positive_int("save_every_k_epochs", save_every_k_epochs)
     check_keep_last_n(keep_last_n_ckpts)
     non_empty_examples("train_examples", train_examples)
+    eval_examples_sequence(eval_examples)
     non_empty_examples("eval_examples", eval_examples)
+
+
+def eval_examples_sequence(eval_examples):
+    """``eval_examples`` is read whole at each evaluation, each example counted once: it must
+    have a length and be indexable (a generator would be empty after the first evaluation)."""
+    if eval_examples is None or (hasattr(eval_examples, "__len__") and
+                                 hasattr(eval_examples, "__getitem__")):
+        return
+    raise ConfigError(
+        f"eval_examples is a {type(eval_examples).__name__}, without len() and indexing; the "
+        "evaluation reads all of it after every epoch (every example counted once), so it must be "
+        "a sequence. Fix: eval_examples=list(eval_examples), or a datasets.Dataset.")
 
 
 def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None):

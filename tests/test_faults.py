@@ -17,8 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from redcoast import (CheckpointError, ConfigError, Deployer, LossError, NonFiniteLossError,
-                      Trainer)
+from redcoast import (CheckpointError, ConfigError, Deployer, EvaluationError, LossError,
+                      NonFiniteLossError, Trainer)
 from redcoast.checkpoint import CheckpointStore
 from redcoast.workdir import LOCK_NAME, STALE_AFTER_S, WorkdirLock, absolute
 
@@ -384,3 +384,236 @@ def test_remote_workdirs_are_kept_as_urls_and_local_paths_made_absolute(tmp_path
     monkeypatch.chdir(tmp_path)
     assert absolute("runs/a") == str(tmp_path / "runs" / "a")
     assert CheckpointStore("ckpts").directory == str(tmp_path / "ckpts")
+
+
+# -- 8. a resume with another batch size trains every example of every epoch exactly once --------
+#
+# Example i of epoch e has id e * N_IDS + i; the loss is the sum over the batch of w[id], so with
+# SGD at rate 1 each update subtracts 1 from w[id] for each example trained: -w counts how many
+# times each example was trained.
+
+N_PER_EPOCH = 80  # 5 updates of 16; after one update of epoch 2, 64 left: 8 of 8, 4 of 16, 2 of 32
+N_IDS = 2 * N_PER_EPOCH
+
+
+def id_collate(rows):
+    ids = np.array([r["id"] for r in rows])
+    return {"onehot": np.eye(N_IDS, dtype=np.float32)[ids]}
+
+
+def id_loss(rng, state, params, batch, is_training):
+    return jnp.sum(batch["onehot"] @ params["w"])
+
+
+def id_examples(kind):
+    """``epoch -> that epoch's examples``: a list (shuffled by epoch) or a generator (a stream)."""
+    def of_epoch(epoch):
+        rows = ({"id": epoch * N_PER_EPOCH + i} for i in range(N_PER_EPOCH))
+        return list(rows) if kind == "list" else rows
+    return of_epoch
+
+
+def id_trainer(workdir, accumulate=1):
+    deployer = Deployer(jax_seed=0, workdir=str(workdir), verbose=False)
+    # the micro-batches' gradients are averaged: a rate of k keeps each example's count 1
+    return Trainer(deployer, id_collate, None, id_loss, {"w": np.zeros((N_IDS,), np.float32)},
+                   optax.sgd(float(accumulate)), accumulate_grad_batches=accumulate)
+
+
+def sigterm_at(trainer, stop_step):
+    """Send this process SIGTERM once ``stop_step`` updates are done (the trainer's guard turns it
+    into a save and SystemExit(0) after that update, as a preemption would)."""
+    log_metrics = trainer.deployer.log_metrics
+
+    def log_and_stop(metrics, step):
+        log_metrics(metrics, step)
+        if step == stop_step:
+            import signal
+            signal.raise_signal(signal.SIGTERM)
+    trainer.deployer.log_metrics = log_and_stop
+
+
+def times_trained(trainer):
+    return -np.asarray(trainer.params["w"])
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """For a list and a stream: a workdir stopped by SIGTERM at step 6 (epoch 1, then one update
+    of 16 of epoch 2), per_device_batch_size=2."""
+    runs = {}
+    for kind in ("list", "stream"):
+        workdir = tmp_path_factory.mktemp(f"stopped_{kind}")
+        trainer = id_trainer(workdir)
+        sigterm_at(trainer, 6)
+        with pytest.raises(SystemExit) as stop:
+            trainer.fit(id_examples(kind), 2, 2, log_every_n_steps=1)
+        assert stop.value.code == 0 and trainer.step == 6
+        counts = times_trained(trainer)
+        assert counts[:N_PER_EPOCH].tolist() == [1] * N_PER_EPOCH and counts[N_PER_EPOCH:].sum() == 16
+        runs[kind] = workdir
+    return runs
+
+
+def resume_from(stopped, tmp_path, kind, per_device_batch_size, accumulate=1):
+    import shutil
+    workdir = tmp_path / "resumed"
+    shutil.copytree(stopped, workdir)
+    trainer = id_trainer(workdir, accumulate)
+    trainer.fit(id_examples(kind), per_device_batch_size, 2, log_every_n_steps=1)
+    return trainer, (workdir / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("kind", ["list", "stream"])
+@pytest.mark.parametrize("per_device_batch_size, accumulate, updates_left", [
+    (1, 1, 8), (4, 1, 2),  # half and double the batch (16 examples trained: not a multiple of 32)
+    (2, 1, 4),  # the same batch
+    (1, 4, 2),  # double the update by accumulation
+])
+def test_a_resume_with_another_batch_size_trains_each_example_once(
+        stopped_runs, tmp_path, kind, per_device_batch_size, accumulate, updates_left):
+    trainer, log = resume_from(stopped_runs[kind], tmp_path, kind, per_device_batch_size, accumulate)
+    assert trainer.step == 6 + updates_left
+    np.testing.assert_array_equal(times_trained(trainer), np.ones(N_IDS))  # each once, none lost
+    assert "its first 16 examples" in log and "were trained before the checkpoint" in log
+
+
+def test_a_resume_whose_updates_do_not_divide_the_rest_leaves_out_only_the_last(stopped_runs, tmp_path):
+    from redcoast.data import epoch_order
+    trainer, log = resume_from(stopped_runs["list"], tmp_path, "list", 3)  # updates of 24
+    assert trainer.step == 6 + 2  # 64 left: 2 updates of 24, the last 16 not an update
+    counts = times_trained(trainer)[N_PER_EPOCH:]
+    order = epoch_order(N_PER_EPOCH, 0, 1)
+    np.testing.assert_array_equal(counts[order[:64]], np.ones(64))  # the first 64: each once
+    np.testing.assert_array_equal(counts[order[64:]], np.zeros(16))  # the last 16 left out, said
+    assert "epoch 2: its last 16 examples do not fill an update of 24 and were left out" in log
+
+
+def _write_old_meta(workdir, keep_config=True):
+    """Turn the newest checkpoint's meta into the previous format: the position in updates only."""
+    steps = workdir / "checkpoints" / "steps"
+    newest = max((p for p in steps.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    [path] = [p for p in (newest / "meta").rglob("*") if p.is_file() and "position" in p.read_text()]
+    meta = json.loads(path.read_text())
+    meta.pop("examples_consumed", None)
+    if not keep_config:
+        meta["config"] = {}
+    path.write_text(json.dumps(meta))
+    return meta
+
+
+@pytest.mark.parametrize("keep_config", [True, False])
+def test_a_checkpoint_in_the_previous_format_still_resumes(stopped_runs, tmp_path, keep_config):
+    import shutil
+    workdir = tmp_path / "old"
+    shutil.copytree(stopped_runs["stream"], workdir)
+    meta = _write_old_meta(workdir, keep_config)
+    assert (meta["epoch"], meta["position"]) == (1, 1)
+    trainer = id_trainer(workdir)
+    # with the batch size it recorded (16 a update): 1 update = 16 examples skipped; without it,
+    # the current one is assumed (the same here), with a warning
+    trainer.fit(id_examples("stream"), 2 if not keep_config else 4, 2, log_every_n_steps=1)
+    np.testing.assert_array_equal(times_trained(trainer), np.ones(N_IDS))
+    log = (workdir / "log.txt").read_text()
+    assert "its first 16 examples" in log
+    assert ("does not record how many examples" in log) == (not keep_config)
+
+
+# -- 9. an evaluation that fails loses no training: the checkpoint is written before it ---------
+
+def predictor_of(trainer):
+    return trainer.get_default_predictor(lambda rng, params, batch: batch["x"] @ params["w"])
+
+
+def metric_failing_at(calls):
+    """A metric that raises at its ``calls``-th call (counting from 1)."""
+    seen = []
+
+    def metric(examples, preds):
+        seen.append(1)
+        if len(seen) == calls:
+            raise ZeroDivisionError("the metric divided by zero")
+        return {"mean_pred": float(np.mean(preds))}
+    return metric
+
+
+@pytest.mark.parametrize("every", ["epoch", "steps"])
+def test_a_failing_evaluation_keeps_the_checkpoint_written_before_it(tmp_path, every):
+    saving = (dict(save_every_k_epochs=1) if every == "epoch" else
+              dict(save_every_n_steps=2, eval_every_n_steps=2))
+    trainer = linear_trainer(tmp_path)
+    held_out = examples(8, seed=1)
+    with pytest.raises(EvaluationError) as failed:
+        trainer.fit(examples(), 1, 2, eval_examples=held_out, eval_predictor=predictor_of(trainer),
+                    eval_metric_fn=metric_failing_at(1), **saving)
+    step = 4 if every == "epoch" else 2
+    assert trainer.step == step
+    where = str(tmp_path / "checkpoints" / "steps" / str(step))
+    saved = "epoch 1 is saved at" if every == "epoch" else f"step {step} is saved at"
+    label = "epoch 1/2" if every == "epoch" else f"step {step}"
+    message = str(failed.value)
+    assert f"the evaluation after {label} failed in eval_metric_fn: ZeroDivisionError: the metric " \
+           f"divided by zero; {saved} {where} and a rerun resumes from there" in message, message
+    assert isinstance(failed.value.__cause__, ZeroDivisionError)
+    assert os.listdir(tmp_path / "checkpoints" / "steps") == [str(step)]
+    # the rerun, with the metric fixed, goes on from there as if nothing had failed
+    rerun = linear_trainer(tmp_path)
+    rerun.fit(examples(), 1, 2, eval_examples=held_out, eval_predictor=predictor_of(rerun),
+              eval_metric_fn=metric_failing_at(0), **saving)
+    assert f"resumed from {where}: step {step}" in (tmp_path / "log.txt").read_text()
+    uninterrupted = linear_trainer()
+    uninterrupted.fit(examples(), 1, 2)
+    assert rerun.step == 8
+    assert_trees_equal(rerun.params, uninterrupted.params)
+
+
+def test_a_best_kept_by_the_evaluation_after_a_checkpoint_is_remembered_on_resume(tmp_path):
+    # the checkpoint of epoch 1 is written before its evaluation, so its record does not hold the
+    # best that evaluation kept: a resume reads it from the best checkpoint itself
+    held_out = examples(8, seed=1)
+    kwargs = dict(eval_examples=held_out, save_every_k_epochs=1, save_argmax_ckpt_by_metrics=["loss"])
+    linear_trainer(tmp_path).fit(examples(), 1, 1, **kwargs)  # epoch 1: the best (the only one)
+    best = tmp_path / "checkpoints" / "best_max_loss"
+    assert os.listdir(best) == ["4"]
+    linear_trainer(tmp_path).fit(examples(), 1, 2, **kwargs)  # epoch 2's loss is lower: not the max
+    assert os.listdir(best) == ["4"]
+
+
+def test_an_evaluation_failing_without_a_checkpoint_says_so():
+    trainer = linear_trainer()
+    with pytest.raises(EvaluationError, match=r"after epoch 1/1 failed in eval_metric_fn: .*no "
+                                              r"checkpoint was saved.*Fix:.*workdir=\.\.\."):
+        trainer.fit(examples(), 1, 1, eval_examples=examples(8, seed=1),
+                    eval_predictor=predictor_of(trainer), eval_metric_fn=metric_failing_at(1))
+
+
+def test_a_metric_that_returns_a_float_is_refused_after_the_epoch_is_saved(tmp_path):
+    trainer = linear_trainer(tmp_path)
+    with pytest.raises(EvaluationError, match=r"failed in eval_metric_fn: ConfigError: "
+                                              r"eval_metric_fn returned float \(0\.5\); it must "
+                                              r"return a dict.*Fix: return a dict.*epoch 1 is saved"):
+        trainer.fit(examples(), 1, 2, eval_examples=examples(8, seed=1), save_every_k_epochs=1,
+                    eval_predictor=predictor_of(trainer), eval_metric_fn=lambda e, p: 0.5)
+    assert os.listdir(tmp_path / "checkpoints" / "steps") == ["4"]
+
+
+def test_eval_inputs_that_would_fail_late_are_refused_before_any_training():
+    trainer = linear_trainer()
+    for sanity_check in (False, True):  # redco's eval_sanity_check reads it before fit's checks
+        with pytest.raises(ConfigError, match=r"eval_examples is a generator, without len\(\) and "
+                                              r"indexing.*Fix: eval_examples=list\(eval_examples\)"):
+            trainer.fit(examples(), 1, 1, eval_examples=(e for e in examples(8)),
+                        eval_sanity_check=sanity_check)
+    assert trainer.step == 0
+
+    def no_eval_loss(rng, state, params, batch, is_training):
+        if is_training:
+            return mse(rng, state, params, batch, is_training)
+
+    trainer = linear_trainer(loss=no_eval_loss)
+    with pytest.raises(LossError, match=r"loss_fn returned None.*Fix: return the loss on every "
+                                        r"path.*before any training.*is_training=False.*eval_loss=False"):
+        trainer.fit(examples(), 1, 1, eval_examples=examples(8))
+    assert trainer.step == 0
+    trainer.fit(examples(), 1, 1, eval_examples=examples(8), eval_loss=False)  # nothing to check
+    assert trainer.step == 4

@@ -170,6 +170,7 @@ class Trainer(core.Trainer):
                        "parameters cast them and use deployer.export_params(params, path).")
         eval_metric_fn = by_keyword(eval_metric_fn, EVAL_METRIC_FN_ARGS)
         eval_bs = eval_per_device_batch_size or per_device_batch_size
+        validate.eval_examples_sequence(eval_examples)  # before the sanity check reads it
         if eval_sanity_check and eval_examples is not None:
             self._sanity_check(eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn)
         return super().fit(train_examples, per_device_batch_size, n_epochs,
