@@ -1,0 +1,65 @@
+"""redcoast plan: a model planned from its config.json alone, for hardware that is not here."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from redcoast.plan import parse_bytes, plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 256,
+        "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def test_a_plan_holds_at_least_the_state_its_layout_must_hold(tiny_config):
+    record = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32)
+    # embedding + head, 2 layers of (q, o; k, v at 4 of 8 heads; gate, up, down; 2 norms), a norm
+    assert record.n_params == 2 * 128 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    assert record.layout.startswith("dp=2 x mp=4")  # tensor parallel within a host, FSDP across
+    state = record.params_bytes + record.optimizer_bytes + record.gradient_bytes
+    assert record.optimizer_bytes == 2 * record.params_bytes  # Adam's two moments, placed alike
+    # each device holds about 1/8 of the fp32 state (FSDP over 'dp' on top of 'mp')
+    assert record.params_bytes < 4 * record.n_params / 8 * 1.5
+    assert record.per_device_peak_bytes >= state - record.gradient_bytes
+    assert record.fits and not record.remat and not record.suggestions
+
+
+def test_a_plan_that_does_not_fit_says_what_would(tiny_config):
+    record = plan(tiny_config, devices=8, hosts=1, device_memory=20_000, seq_len=32)
+    assert not record.fits
+    assert record.remat and record.tried[0][0] == "without remat"  # remat was tried
+    assert any("devices of this memory" in s for s in record.suggestions)
+
+
+def test_sizes_are_parsed():
+    assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("32 GB") == 32 * 10**9
+    with pytest.raises(ValueError):
+        parse_bytes("forty")
+
+
+@pytest.mark.slow
+def test_a_table_1_row_through_the_cli(tmp_path):
+    """The paper's BART-Large row (2 x 1080Ti, 10 GB each, length 1024, fp32 AdamW)."""
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "redcoast", "plan", os.path.join(ROOT, "benchmarks", "configs",
+         "bart-large.json"), "--devices", "2", "--device-memory", "10GB", "--seq-len", "1024",
+         "--json", str(out)], capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FITS" in done.stdout
+    record = json.loads(out.read_text())
+    assert record["fits"] and record["n_params"] > 4e8
+    assert record["per_device_peak_bytes"] >= record["params_bytes"] + record["optimizer_bytes"]
