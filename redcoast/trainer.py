@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from . import validate
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
+from .fingerprint import check_fingerprint, fingerprint
 from .data import (BatchMaker, Stream, check_collated, epoch_order, examples_by_epoch, is_iterator,
                    is_sequence, padded_batches, prefetch, take)
 from .errors import ConfigError, DataError, LayoutCheckError, NonFiniteLossError
@@ -525,6 +526,7 @@ class Trainer:
                 "train_rng": key_to_json(to_host(self._train_rng)),
                 "eval_rng": key_to_json(to_host(self._eval_rng)),
                 "best": dict(self._best), "config": config or {}}
+        meta["frozen_params"] = fingerprint(self._state.frozen_params)  # which base adapters need
         store.save(self._host_step, self._saved_part(self.state), meta)  # in the user's layout
         return meta
 
@@ -534,6 +536,8 @@ class Trainer:
         if restored is None:
             return None
         arrays, meta = restored
+        check_fingerprint(meta.get("frozen_params"), self._state.frozen_params,  # its base
+                          where=f"The checkpoint {store.directory}/{meta['step']}")
         self._state = self.layout.stored.state_to_storage(self._state.replace(**arrays))
         self._host_step = int(meta["step"])
         self._train_rng = jax.device_put(key_from_json(meta["train_rng"]), self.layout.replicated)
