@@ -32,6 +32,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .export import SEPARATOR, save_params
+from .validate import tree_keys
 
 # Attention query and value projections of redcoast.models (Llama/OPT q_proj, v_proj; BERT
 # query, value; T5 q, v; GPT-2's fused c_attn, which holds q, k and v in one kernel).
@@ -221,6 +222,7 @@ def _check_pairs(adapters):
 
 
 def _check_base(base, who):
+    tree_keys("params", base)
     if base is None or not jax.tree_util.tree_leaves(base):
         raise ConfigError(f"{who} got base params {base!r}, with no arrays. Fix: pass the model's "
                           "params (the frozen base).")

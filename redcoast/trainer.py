@@ -65,7 +65,7 @@ class Trainer:
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
                  compute_dtype=jnp.float32, train_step_fn=None, fsdp=None, fuse_matmuls=None,
                  log_grad_norm=False, frozen_params=None, eval_by=None):
-        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn)
+        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn, params, frozen_params)
         if eval_by not in (None, "example", "batch"):
             raise ConfigError(f"eval_by={eval_by!r}; it must be 'example' (loss_fn applied to "
                               "one example at a time, the exact mean over examples), 'batch' "
@@ -230,7 +230,8 @@ class Trainer:
                               "dtype than trainer.params. Fix: pass a tree shaped like "
                               "trainer.params (build a new Trainer for another model).")
         params = self.layout.stored.params_to_storage(
-            jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(params))
+            jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(
+                jax.device_put(params, self.layout.state_shardings.params)))  # from any mesh
         state = self._state.replace(params=params)
         if reset_opt_state:
             state = state.replace(opt_state=jax.jit(
