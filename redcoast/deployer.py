@@ -14,6 +14,7 @@ from .logs import RunLogger
 from .schedules import make_lr_schedule, n_updates_per_epoch
 from .sharding import ShardingPlan
 from .sharding.dataflow import traced_placements
+from .workdir import absolute
 
 
 class Deployer:
@@ -34,7 +35,8 @@ class Deployer:
             n_processes=n_processes, host0_address=host0_address, host0_port=host0_port,
             process_id=process_id, n_local_devices=n_local_devices)
         self.jax_seed = int(jax_seed)
-        self.workdir = workdir
+        # absolute once, here: a later os.chdir (a notebook's %cd) must not move the run's files
+        self.workdir = workdir = None if workdir is None else absolute(workdir)
         self.verbose = verbose
         if isinstance(n_model_shards, str):
             if n_model_shards != "auto":

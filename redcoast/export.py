@@ -30,7 +30,23 @@ def flat_tensors(params):
 def save_params(params, path):
     """Write ``params`` to ``path`` (safetensors) from process 0, atomically, one tensor at a
     time; every process must call it (split tensors are gathered one by one)."""
-    write_safetensors(path, [entry(SEPARATOR.join(p), leaf) for p, leaf in leaves_with_paths(params)])
+    write_safetensors(path, [entry(name, leaf) for name, leaf in named_tensors(params).items()])
+
+
+def named_tensors(params):
+    """``{tensor name: leaf}``, or a clear error when two leaves would get one name (a key
+    with a dot in it: ``{"a.b": x, "a": {"b": y}}``), before anything is written."""
+    out, where = {}, {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = SEPARATOR.join(path_to_tuple(key_path))
+        if name in out:
+            raise ConfigError(
+                f"params{where[name]} and params{jax.tree_util.keystr(key_path)} would both be "
+                f"stored as the tensor {name!r} (tensor names join the keys with "
+                f"{SEPARATOR!r}), and a file with two tensors of one name cannot be read. Fix: "
+                f"rename the key that holds {SEPARATOR!r}.")
+        out[name], where[name] = leaf, jax.tree_util.keystr(key_path)
+    return out
 
 
 def load_params(path, like):

@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .export import SEPARATOR, save_params
-from .sharding.paths import leaves_with_paths, path_to_str
+from .validate import tree_keys
 
 # Attention query and value projections of redcoast.models (Llama/OPT q_proj, v_proj; BERT
 # query, value; T5 q, v; GPT-2's fused c_attn, which holds q, k and v in one kernel).
@@ -67,16 +67,19 @@ class LoRA:
         return self.alpha / self.rank
 
     def selected(self, params):
-        """The paths (tuples of str) of the kernels of ``params`` that get adapters."""
+        """The paths of the kernels of ``params`` that get adapters: tuples of the tree's own
+        keys (str, or int for a list or an int-keyed dict such as ``nnx.to_pure_dict`` gives)."""
+        _check_base(params, "LoRA.init")
         if callable(self.targets):
-            chosen = lambda path, leaf: self.targets(path_to_str(path), leaf)  # noqa: E731
+            chosen = lambda path, leaf: self.targets(path_str(path), leaf)  # noqa: E731
         else:
             patterns = [self.targets] if isinstance(self.targets, str) else list(self.targets)
             compiled = [re.compile(p) for p in patterns]
-            chosen = lambda path, leaf: any(c.search(path_to_str(path)) for c in compiled)  # noqa: E731
-        paths = [p for p, leaf in leaves_with_paths(params) if chosen(p, leaf)]
+            chosen = lambda path, leaf: any(c.search(path_str(path)) for c in compiled)  # noqa: E731
+        leaves = tree_paths(params)
+        paths = [p for p, leaf in leaves if chosen(p, leaf)]
         if not paths:
-            names = [path_to_str(p) for p, _ in leaves_with_paths(params)][:8]
+            names = [path_str(p) for p, _ in leaves][:8]
             raise ConfigError(f"LoRA targets {self.targets!r} match no parameter (some paths: "
                               f"{names}). Fix: pass targets= a regex or predicate that matches "
                               "the kernels to adapt.")
@@ -84,9 +87,17 @@ class LoRA:
             shape = np.shape(_get(params, p))
             if len(shape) < self.stack_dims + self.in_dims + 1:
                 raise ConfigError(
-                    f"LoRA target {path_to_str(p)} has shape {shape}: too few axes for "
+                    f"LoRA target {path_str(p)} has shape {shape}: too few axes for "
                     f"stack_dims={self.stack_dims} + in_dims={self.in_dims} + an output axis. "
                     "Fix: target matmul kernels only, or set in_dims/stack_dims.")
+            _, fan_in, out = self._split(shape)
+            if self.rank > min(math.prod(fan_in), math.prod(out)):
+                raise ConfigError(
+                    f"LoRA rank={self.rank} exceeds the dimensions of {path_str(p)} (input "
+                    f"{math.prod(fan_in)}, output {math.prod(out)}, shape {shape}): A @ B of that "
+                    "rank is no low-rank update, and trains more numbers than the kernel has. Fix: "
+                    f"a rank of at most {min(math.prod(fan_in), math.prod(out))}, or targets that "
+                    "leave this kernel out.")
         return paths
 
     def init(self, params, seed=0):
@@ -121,22 +132,32 @@ class LoRA:
 
     def merge(self, base, adapters):
         """``base`` with each adapted kernel replaced by ``W + alpha / rank * A @ B`` (in W's
-        dtype); traceable, so a loss calls it inside the jitted step."""
-        merged = _copy_dicts(base)
+        dtype); traceable, so a loss calls it inside the jitted step.
+
+        ``adapters`` must hold LoRA pairs only (as :meth:`init` makes them): any other leaf
+        would be ignored (never trained), so it is refused; see the error for a trainable head."""
+        if base is None:
+            raise ConfigError(
+                "lora.merge got base=None. In a loss_fn, state.frozen_params is None when the "
+                "Trainer was given no frozen_params. Fix: Trainer(..., params=lora.init(base), "
+                "frozen_params=base), and lora.merge(state.frozen_params, params) in the loss.")
+        _check_base(base, "lora.merge")
+        _check_pairs(adapters)
+        merged = base
         for path in adapter_paths(adapters):
             pair = _get(adapters, path)
             try:
                 kernel = _get(base, path)
-            except KeyError:
-                raise ConfigError(f"LoRA adapter {path_to_str(path)} has no kernel in the base "
+            except (KeyError, IndexError, TypeError):
+                raise ConfigError(f"LoRA adapter {path_str(path)} has no kernel in the base "
                                   "params. Fix: merge adapters into the model they were made "
                                   "for.") from None
             d = self.delta(pair[A_NAME], pair[B_NAME])
             if d.shape != np.shape(kernel):
-                raise ConfigError(f"LoRA adapter {path_to_str(path)} makes shape {d.shape}; the "
+                raise ConfigError(f"LoRA adapter {path_str(path)} makes shape {d.shape}; the "
                                   f"kernel is {np.shape(kernel)}. Fix: load adapters made for "
                                   "this model (same in_dims/stack_dims).")
-            _set(merged, path, (kernel.astype(jnp.float32) + d).astype(kernel.dtype))
+            merged = _replace(merged, path, (kernel.astype(jnp.float32) + d).astype(kernel.dtype))
         return merged
 
     def _split(self, shape):
@@ -145,8 +166,66 @@ class LoRA:
 
 
 def adapter_paths(adapters):
-    """The kernel paths of an adapter tree (each holds ``lora_a`` and ``lora_b``)."""
-    return sorted({p[:-1] for p, _ in leaves_with_paths(adapters) if p[-1] in (A_NAME, B_NAME)})
+    """The kernel paths of an adapter tree (each holds ``lora_a`` and ``lora_b``), as tuples of
+    the tree's own keys, in the tree's flatten order."""
+    return list(dict.fromkeys(p[:-1] for p, _ in tree_paths(adapters) if p[-1] in (A_NAME, B_NAME)))
+
+
+def tree_paths(tree):
+    """``[(path, leaf)]`` in flatten order, each path a tuple of the tree's own keys (a dict's
+    keys as they are, a list's int indices), so that ``_get(tree, path)`` finds the leaf."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(tuple(_raw_key(k) for k in kp), leaf) for kp, leaf in flat]
+
+
+def path_str(path):
+    """'layers/0/self_attn/q_proj/kernel' for a path of any keys."""
+    return "/".join(str(k) for k in path)
+
+
+def _raw_key(key):
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return str(key)
+
+
+TRAINABLE_HEAD_RECIPE = (
+    "To train a head (or any other parameter) whole beside the adapters, keep the two apart and "
+    "put the head back after the merge:\n"
+    "    params = {'adapters': lora.init(base), 'head': base['head']}\n"
+    "    def loss_fn(rng, state, params, batch, is_training):\n"
+    "        merged = lora.merge(state.frozen_params, params['adapters'])\n"
+    "        merged = {**merged, 'head': params['head']}   # the trained head replaces the base's\n"
+    "        ...")
+
+
+def _check_pairs(adapters):
+    """Every leaf of ``adapters`` is half of a complete ``{lora_a, lora_b}`` pair."""
+    leaves = tree_paths(adapters)
+    stray = [p for p, _ in leaves if p[-1] not in (A_NAME, B_NAME)]
+    if stray:
+        shown = ", ".join(path_str(p) for p in stray[:5]) + (" ..." if len(stray) > 5 else "")
+        whole = (" None of its leaves is an adapter: was the full base passed as the trainable "
+                 "params?" if len(stray) == len(leaves) else "")
+        raise ConfigError(
+            f"lora.merge was given adapters holding {len(stray)} leaves that are not LoRA pairs "
+            f"({shown}).{whole} merge applies lora_a/lora_b pairs only: these would be ignored, "
+            "get a zero gradient and never train. Fix: pass the adapters alone (as lora.init "
+            "makes them), params=lora.init(base), frozen_params=base. " + TRAINABLE_HEAD_RECIPE)
+    for path in adapter_paths(adapters):
+        pair = _get(adapters, path)
+        if not isinstance(pair, dict) or set(pair) != {A_NAME, B_NAME}:
+            raise ConfigError(
+                f"LoRA adapter {path_str(path)} holds {sorted(map(str, pair))}, not the pair "
+                f"{A_NAME!r}, {B_NAME!r}. Fix: pass adapters as lora.init or load_adapters make them.")
+
+
+def _check_base(base, who):
+    tree_keys("params", base)
+    if base is None or not jax.tree_util.tree_leaves(base):
+        raise ConfigError(f"{who} got base params {base!r}, with no arrays. Fix: pass the model's "
+                          "params (the frozen base).")
 
 
 def count(tree):
@@ -159,6 +238,7 @@ def save_adapters(lora, adapters, directory):
     ``layers.0.self_attn.q_proj.kernel.lora_a``) and ``lora_config.json`` (rank, alpha, axes,
     the adapted kernels). Call on every process; process 0 writes."""
     paths = adapter_paths(adapters)
+    _check_pairs(adapters)
     config = {"format": FORMAT, "rank": lora.rank, "alpha": lora.alpha, "in_dims": lora.in_dims,
               "stack_dims": lora.stack_dims,
               "targets": lora.targets if isinstance(lora.targets, (str, list, tuple)) else None,
@@ -175,8 +255,6 @@ def save_adapters(lora, adapters, directory):
 def load_adapters(directory):
     """``(lora, adapters)`` from a folder written by :func:`save_adapters` (numpy arrays;
     ``lora.merge`` or the Trainer places them)."""
-    from safetensors.numpy import load_file
-
     config_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.exists(config_path):
         raise ConfigError(f"{directory} has no {CONFIG_FILE}. Fix: pass a folder written by "
@@ -186,14 +264,15 @@ def load_adapters(directory):
     if config.get("format") != FORMAT:
         raise ConfigError(f"{config_path} is of format {config.get('format')!r}, not {FORMAT!r}. "
                           "Fix: pass a folder written by redcoast.lora.save_adapters.")
-    tensors = load_file(os.path.join(directory, WEIGHTS_FILE))
+    tensors = read_safetensors(os.path.join(directory, WEIGHTS_FILE),
+                               "save the adapters again (save_adapters)")
     targets = config["targets"]
     lora = LoRA(rank=config["rank"], alpha=config["alpha"], in_dims=config["in_dims"],
                 stack_dims=config["stack_dims"],
                 targets=tuple(targets) if isinstance(targets, list) else targets or DEFAULT_TARGETS)
     adapters, expected = {}, set()
     for path in map(tuple, config["kernels"]):
-        names = [SEPARATOR.join(path + (n,)) for n in (A_NAME, B_NAME)]
+        names = [SEPARATOR.join(str(k) for k in path + (n,)) for n in (A_NAME, B_NAME)]
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ConfigError(f"{directory}/{WEIGHTS_FILE} lacks {missing}, which "
@@ -205,6 +284,20 @@ def load_adapters(directory):
         raise ConfigError(f"{directory}/{WEIGHTS_FILE} holds tensors that {CONFIG_FILE} does not "
                           f"list: {unexpected[:5]}. Fix: save the adapters again.")
     return lora, adapters
+
+
+def read_safetensors(path, fix):
+    """All tensors of the safetensors file ``path`` (numpy), or a clear error naming it."""
+    from safetensors.numpy import load_file
+
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} does not exist. Fix: {fix}.")
+    try:
+        return load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors name no file
+        raise ConfigError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e}): it "
+                          "is damaged or incomplete (an interrupted save or copy?). "
+                          f"Fix: {fix}.") from e
 
 
 def _get(tree, path):
@@ -219,8 +312,18 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-def _copy_dicts(tree):
-    """The nested dicts copied (the arrays shared), so a merge never changes its input."""
+def _replace(tree, path, value):
+    """``tree`` with ``value`` at ``path``: the dicts, lists and tuples along the path copied,
+    everything else shared, so a merge never changes its input."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
     if isinstance(tree, dict):
-        return {k: _copy_dicts(v) for k, v in tree.items()}
-    return tree
+        return {**tree, key: _replace(tree[key], rest, value)}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        items = list(tree)
+        items[key] = _replace(items[key], rest, value)
+        return type(tree)(items)
+    raise ConfigError(f"lora.merge cannot set a kernel inside a {type(tree).__name__} (at key "
+                      f"{key!r}). Fix: pass params as nested dicts or lists (e.g. "
+                      "nnx.to_pure_dict(state)).")

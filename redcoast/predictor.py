@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .data import BatchMaker, padded_batches, prefetch
+from . import validate
+from .data import BatchMaker, is_sequence, padded_batches, prefetch
 from .errors import DataError
 from .host import to_host
 from .sharding.context import laid_out_for
@@ -65,7 +66,11 @@ class Predictor:
         return self._compiled[key]
 
     def predict(self, examples, per_device_batch_size, params, desc=None):
-        """A list with exactly one output per example, in the order of ``examples``."""
+        """A list with exactly one output per example, in the order of ``examples`` (a
+        sequence, or any iterable such as a generator, read into a list first)."""
+        if not is_sequence(examples):  # a generator has no len(): the outputs are a list anyway
+            examples = list(examples)
+        validate.tree_keys("params", params)
         mesh, shardings, step = self._step_for(params)
         params = jax.device_put(params, shardings)
         global_batch = per_device_batch_size * mesh.shape["dp"]
@@ -75,6 +80,7 @@ class Predictor:
         results, in_flight = [], None
         for index, (batch, n_real) in enumerate(batches):
             out = step(params, batch, self._rng, jnp.int32(index))
+            _check_outputs(out, global_batch)  # shapes only: before waiting for any result
             if in_flight is not None:  # collect the previous batch while this one computes
                 results.extend(self._outputs(*in_flight, global_batch))
             in_flight = (out, n_real)
@@ -83,14 +89,7 @@ class Predictor:
         return results
 
     def _outputs(self, out, n_real, global_batch):
-        host = to_host(out)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(host)[0]:
-            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != global_batch:
-                raise DataError(
-                    f"pred_fn returned {'a scalar' if np.ndim(leaf) == 0 else f'shape {np.shape(leaf)}'}"
-                    f" at {jax.tree_util.keystr(path) or 'its output'} for a batch of {global_batch}"
-                    " examples. Fix: return arrays with the batch dimension first, one row per example.")
-        host = jax.tree_util.tree_map(lambda x: x[:n_real], host)
+        host = jax.tree_util.tree_map(lambda x: x[:n_real], to_host(out))
         if self.output_fn is not None:
             outputs = list(self.output_fn(host))
             if len(outputs) != n_real:
@@ -98,6 +97,39 @@ class Predictor:
                                 "examples. Fix: return one output per row of its input.")
             return outputs
         return [jax.tree_util.tree_map(lambda x: x[i], host) for i in range(n_real)]
+
+
+def _check_outputs(out, global_batch):
+    """``pred_fn``'s output is arrays with the batch first, and no Python list or tuple of
+    per-example rows (split as a pytree, each output would get one column of every row)."""
+    def rows_in(node, path):
+        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+            shapes = {(np.shape(x), str(getattr(x, "dtype", ""))) for x in node}
+            # rows whose length is the batch pass the shape check below, transposed; (x,)
+            # for a batch of 1 is left alone (a one-field tuple, and a row loses nothing)
+            if (len(node) == global_batch > 1 and len(shapes) == 1
+                    and all(hasattr(x, "shape") and np.ndim(x) and np.shape(x)[0] == global_batch
+                            for x in node)):
+                raise DataError(
+                    f"pred_fn returned a Python {type(node).__name__} of {len(node)} arrays of "
+                    f"shape {np.shape(node[0])} at {jax.tree_util.keystr(path) or 'its output'} "
+                    f"for a batch of {global_batch} examples: per-example rows, which a pytree "
+                    "splits the wrong way (each output would get one column of every row). Fix: "
+                    "return one array with the batch first, e.g. jnp.stack(rows); if these are "
+                    "fields, not rows, return them in a dict ({'a': ..., 'b': ...}).")
+            for i, child in enumerate(node):
+                rows_in(child, path + (jax.tree_util.SequenceKey(i),))
+        elif isinstance(node, dict):
+            for key, child in node.items():
+                rows_in(child, path + (jax.tree_util.DictKey(key),))
+    rows_in(out, ())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != global_batch:
+            raise DataError(
+                f"pred_fn returned {'a scalar' if np.ndim(leaf) == 0 else f'shape {np.shape(leaf)}'}"
+                f" at {jax.tree_util.keystr(path) or 'its output'} for a batch of {global_batch}"
+                " examples. Fix: return arrays with the batch dimension first, one row per example"
+                " (jnp.stack a list of rows).")
 
 
 def _laid_out_on(params):

@@ -20,6 +20,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
+from .errors import ConfigError
 from .workdir import is_url
 
 _CODES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
@@ -63,6 +64,9 @@ def header_bytes(entries, metadata=None):
     header, offset = {}, 0
     for name, shape, dtype, _ in entries:
         dtype = np.dtype(dtype)
+        if name in header or name == "__metadata__":
+            raise ConfigError(f"two tensors would be named {name!r} in one safetensors file, "
+                              "which could not be read back. Fix: give each tensor its own name.")
         if dtype not in _CODES:
             raise TypeError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store.")
         size = math.prod(shape) * dtype.itemsize
@@ -78,11 +82,16 @@ def header_bytes(entries, metadata=None):
 def write_safetensors(path, entries, metadata=None):
     """Write ``entries`` [(name, shape, dtype, fetch)], where ``fetch()`` gives the tensor as a
     numpy array of that shape and dtype, to ``path``; returns the bytes of tensor data."""
+    path = os.fspath(path)
+    if not is_url(path) and os.path.isdir(path):
+        raise ConfigError(f"{path} is a directory; a safetensors export is one file. Fix: pass a "
+                          f"file path, e.g. {os.path.join(path, 'model.safetensors')}.")
     header = header_bytes(entries, metadata)
     writing = jax.process_index() == 0
     total = 0
     tmp = f"{path}.tmp-{os.getpid()}"
     f = None
+    done = False
     try:
         if writing:
             parent = epath.Path(path).parent if is_url(path) else os.path.dirname(os.path.abspath(path))
@@ -108,9 +117,11 @@ def write_safetensors(path, entries, metadata=None):
                 epath.Path(tmp).rename(path)
             else:
                 os.replace(tmp, path)
+        done = True
     finally:
         if f is not None:
             f.close()
+        if writing and not done:  # never leave a partial file beside the target
             epath.Path(tmp).unlink(missing_ok=True)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"redcoast.write_safetensors:{path}")

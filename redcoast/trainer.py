@@ -16,6 +16,7 @@ from . import validate
 from .abstract import is_abstract, placed, shapes_of
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
+from .fingerprint import check_fingerprint, fingerprint
 from .data import (BatchMaker, Stream, check_collated, epoch_order, examples_by_epoch, is_iterator,
                    is_sequence, padded_batches, prefetch, take)
 from .errors import (ConfigError, DataError, EvaluationError, LayoutCheckError, LossError,
@@ -67,7 +68,7 @@ class Trainer:
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
                  compute_dtype=jnp.float32, train_step_fn=None, fsdp=None, fuse_matmuls=None,
                  log_grad_norm=False, frozen_params=None, eval_by=None):
-        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn)
+        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn, params, frozen_params)
         if eval_by not in (None, "example", "batch"):
             raise ConfigError(f"eval_by={eval_by!r}; it must be 'example' (loss_fn applied to "
                               "one example at a time, the exact mean over examples), 'batch' "
@@ -261,7 +262,8 @@ class Trainer:
                               "are abstract (jax.ShapeDtypeStruct) too. Fix: build the Trainer "
                               "with the real frozen_params.")
         params = self.layout.stored.params_to_storage(
-            jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(params))
+            jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(
+                jax.device_put(params, self.layout.state_shardings.params)))  # from any mesh
         state = self._state.replace(params=params)
         if reset_opt_state or self.is_abstract:  # an abstract optimizer state has nothing to keep
             state = state.replace(opt_state=jax.jit(
@@ -584,6 +586,7 @@ class Trainer:
                 "best": dict(self._best), "config": config or {}}
         if examples_consumed is not None:  # what a resume skips, whatever its batch size
             meta["examples_consumed"] = int(examples_consumed)
+        meta["frozen_params"] = fingerprint(self._state.frozen_params)  # which base adapters need
         store.save(self._host_step, self._saved_part(self.state), meta)  # in the user's layout
         return meta
 
@@ -593,6 +596,8 @@ class Trainer:
         if restored is None:
             return None
         arrays, meta = restored
+        check_fingerprint(meta.get("frozen_params"), self._state.frozen_params,  # its base
+                          where=f"The checkpoint {store.directory}/{meta['step']}")
         self._state = self.layout.stored.state_to_storage(self._state.replace(**arrays))
         self._host_step = int(meta["step"])
         self._train_rng = jax.device_put(key_from_json(meta["train_rng"]), self.layout.replicated)

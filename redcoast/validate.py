@@ -87,8 +87,11 @@ def eval_examples_sequence(eval_examples):
         "a sequence. Fix: eval_examples=list(eval_examples), or a datasets.Dataset.")
 
 
-def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None):
-    """The functions and optimizer given to ``Trainer``."""
+def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None, params=None,
+                 frozen_params=None):
+    """The functions, optimizer and parameter trees given to ``Trainer``."""
+    tree_keys("params", params)
+    tree_keys("frozen_params", frozen_params)
     if not callable(collate_fn):
         raise ConfigError(f"collate_fn is {type(collate_fn).__name__}, not a function. Fix: pass "
                           "a function from a list of examples to a dict of arrays.")
@@ -98,3 +101,28 @@ def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None):
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise ConfigError(f"optimizer is {type(optimizer).__name__}, not an optax optimizer. Fix: "
                           "pass an optax.GradientTransformation, e.g. optax.adamw(1e-4).")
+
+
+def tree_keys(name, tree, _path=""):
+    """Every dict of ``tree`` has keys JAX can sort and that name distinct paths (``1`` and
+    ``'1'`` both become '1' in paths, checkpoints and exports; JAX cannot sort them at all)."""
+    if isinstance(tree, dict):
+        keys = list(tree)
+        by_name = {}
+        for key in keys:
+            by_name.setdefault(str(key), []).append(key)
+        clash = next((ks for ks in by_name.values() if len(ks) > 1), None)
+        types = {type(k) for k in keys}
+        if clash or len(types) > 1:
+            where = f"{name}{_path}"
+            what = (f"keys {clash[0]!r} and {clash[1]!r}, which name the same path "
+                    f"'{clash[0]}'" if clash else
+                    "keys of types " + " and ".join(sorted(t.__name__ for t in types)) +
+                    f" ({', '.join(repr(k) for k in keys[:4])}), which JAX cannot sort")
+            raise ConfigError(f"{where} has {what}. Fix: give the dict keys of one type "
+                              "(strings), one per entry.")
+        for key in keys:
+            tree_keys(name, tree[key], f"{_path}[{key!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, child in enumerate(tree):
+            tree_keys(name, child, f"{_path}[{i}]")

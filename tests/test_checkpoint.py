@@ -218,3 +218,56 @@ def test_kv_heads_kept_by_groups_of_shards_save_and_restore_onto_other_meshes(tm
         for kp, x in got.items():
             np.testing.assert_array_equal(np.asarray(x), saved[kp], err_msg=f"{n} shards: {kp}")
         assert k_spec() == want  # restored into the traced layout
+
+
+def test_export_refuses_two_leaves_of_one_tensor_name_before_writing(tmp_path):
+    from redcoast.export import save_params
+    x, y = np.zeros(2, np.float32), np.ones(3, np.float32)
+    with pytest.raises(ConfigError, match=r"params\['a'\]\['b'\] and params\['a.b'\].*'a\.b'"):
+        save_params({"a.b": x, "a": {"b": y}}, str(tmp_path / "m.safetensors"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_export_onto_a_directory_is_a_clear_error_and_leaves_nothing(tmp_path):
+    from redcoast.export import save_params
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ConfigError, match=r"is a directory.*Fix: pass a file path"):
+        save_params({"a": np.zeros(2, np.float32)}, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(tmp_path / "out") == []
+
+
+def test_a_failed_export_leaves_no_temporary_file(tmp_path):
+    from redcoast.tensor_files import Deferred, entry, write_safetensors
+
+    def fails():
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        write_safetensors(str(tmp_path / "m.safetensors"),
+                          [entry("a", np.zeros(2, np.float32)),
+                           entry("b", Deferred((2,), np.float32, fails))])
+    assert os.listdir(tmp_path) == []
+
+
+def test_relative_workdir_is_resolved_when_the_deployer_is_made(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    deployer = Deployer(jax_seed=0, n_model_shards=1, workdir="run", verbose=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # a notebook's %cd
+    assert deployer.workdir == str(tmp_path / "run") == deployer.logger.workdir
+    deployer.close()
+
+
+@pytest.mark.slow  # a fit with evaluation and two checkpoints: ~15 s on the loaded 2-core box
+def test_relative_workdir_stays_where_it_was_after_chdir(tmp_path, monkeypatch):
+    """A notebook's %cd after the Deployer was made moves none of the run's files."""
+    monkeypatch.chdir(tmp_path)
+    model, params = make_model()
+    deployer = Deployer(jax_seed=0, n_model_shards=1, workdir="run", verbose=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.sgd(1e-2),
+                      fsdp=False, fuse_matmuls=False)
+    trainer.fit(make_examples(8), 1, 1, eval_examples=make_examples(8), save_last_ckpt=True,
+                save_argmin_ckpt_by_metrics=["loss"])
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["best_min_loss", "steps"]

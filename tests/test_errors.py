@@ -75,3 +75,14 @@ def test_prediction_outputs_must_have_a_batch_dimension(deployer):
     predictor = Predictor(deployer, collate_fn, lambda rng, p, batch: jnp.sum(batch["ids"]))
     with pytest.raises(DataError, match="pred_fn returned a scalar"):
         predictor.predict(make_examples(3), 1, params)
+
+
+def test_params_keys_1_and_str_1_name_the_dict(deployer):
+    model, params = make_model()
+    params["block_1"]["fc_in"] = {1: params["block_1"]["fc_in"]["kernel"],
+                                  "1": params["block_1"]["fc_in"]["kernel"]}
+    with pytest.raises(ConfigError, match=r"params\['block_1'\]\['fc_in'\] has keys 1 and '1'.*Fix"):
+        Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.adamw(1e-2))
+    with pytest.raises(ConfigError, match=r"frozen_params\['a'\] has keys of types int and str"):
+        Trainer(deployer, collate_fn, model.apply, loss_fn, make_model()[1], optax.adamw(1e-2),
+                frozen_params={"a": {0: jnp.ones(2), "b": jnp.ones(2)}})

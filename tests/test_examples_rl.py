@@ -85,3 +85,17 @@ def test_set_params_of_another_shape_is_refused():
     trainer = _linear_trainer()
     with pytest.raises(ConfigError, match="shaped like trainer.params"):
         trainer.set_params({"w": jnp.zeros((4, 3))})
+
+
+def test_set_params_accepts_arrays_on_another_mesh():
+    """The constructor places arrays from anywhere; set_params does too."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    trainer = _linear_trainer()  # 4 x 2 mesh
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    new = {"w": jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(other, P("y")))}
+    on_one = {"w": jax.device_put(jnp.ones((4, 2)), jax.devices()[3])}
+    trainer.set_params(new)
+    np.testing.assert_array_equal(np.asarray(trainer.params["w"]), np.arange(8.0).reshape(4, 2))
+    assert trainer.params["w"].sharding.mesh.shape == {"dp": 4, "mp": 2}
+    trainer.set_params(on_one)
+    np.testing.assert_array_equal(np.asarray(trainer.params["w"]), np.ones((4, 2)))

@@ -268,3 +268,217 @@ def test_checkpoints_hold_the_adapters_and_resume_with_the_base_given_again(tmp_
     assert resumed.step == first.step == 4 and saved  # 32 examples, 8 per update
     jax.tree_util.tree_map(np.testing.assert_array_equal, resumed.params, first.params)
     assert not np.allclose(first.params["layers"]["0"]["self_attn"]["q_proj"]["kernel"]["lora_b"], 0)
+
+
+# ------------------------------------------------------------------ issue 27: nothing silent
+
+def _tiny_tree(seed=0):
+    rs = np.random.RandomState(seed)
+    return {"layer": {"q": {"kernel": rs.randn(6, 4).astype(np.float32)},
+                      "norm": {"scale": rs.randn(4).astype(np.float32)}},
+            "head": {"kernel": rs.randn(4, 3).astype(np.float32)}}
+
+
+def test_merge_refuses_trees_it_would_ignore_with_the_trainable_head_recipe():
+    base = _tiny_tree()
+    lora = LoRA(rank=2, targets="q/kernel")
+    adapters = lora.init(base)
+    with pytest.raises(ConfigError, match=r"(?s)head/kernel.*never train.*params\['head'\]"):
+        lora.merge(base, dict(adapters, head=base["head"]))  # the head would get no gradient
+    with pytest.raises(ConfigError, match="full base"):
+        lora.merge(base, base)  # merges nothing
+    with pytest.raises(ConfigError, match="not the pair"):
+        lora.merge(base, {"layer": {"q": {"kernel": {"lora_a": np.zeros((6, 2), np.float32)}}}})
+    # the recipe of the message trains the head: its gradient is not zero
+    params = {"adapters": adapters, "head": base["head"]}
+
+    def loss(params):
+        merged = {**lora.merge(base, params["adapters"]), "head": params["head"]}
+        return jnp.sum(jnp.ones((1, 6)) @ merged["layer"]["q"]["kernel"] @ merged["head"]["kernel"])
+    assert float(jnp.abs(jax.grad(loss)(params)["head"]["kernel"]).max()) > 0
+
+
+def test_merge_without_frozen_params_is_a_clear_error():
+    def loss_fn(rng, state, params, batch, is_training):
+        return _lm_loss(state.apply_fn, lora.merge(state.frozen_params, params), batch["ids"])
+    model, base = _model()
+    lora = LoRA(rank=2)
+    trainer = Trainer(Deployer(n_model_shards=1, verbose=False), _collate, model.apply, loss_fn,
+                      lora.init(base), optax.sgd(0.1), fsdp=False, fuse_matmuls=False)
+    with pytest.raises(ConfigError, match=r"frozen_params=base"):
+        trainer.train(_examples(8), per_device_batch_size=1)
+
+
+@pytest.mark.parametrize("container", ["int_keys", "list"])
+def test_layers_keyed_by_ints_or_in_a_list(container):
+    """nnx.to_pure_dict gives int keys for an nnx.List; plain code may hold a Python list."""
+    rs = np.random.RandomState(0)
+    layers = [{"q": {"kernel": rs.randn(5, 4).astype(np.float32)}} for _ in range(2)]
+    base = {"layers": dict(enumerate(layers)) if container == "int_keys" else layers}
+    lora = LoRA(rank=2, alpha=2.0, targets="q/kernel")
+    adapters = _random_adapters(lora, base)
+    merged = lora.merge(base, adapters)
+    assert type(merged["layers"]) is type(base["layers"])
+    for i in range(2):
+        pair = adapters["layers"][i]["q"]["kernel"]
+        want = layers[i]["q"]["kernel"] + np.asarray(pair["lora_a"]) @ np.asarray(pair["lora_b"])
+        np.testing.assert_allclose(merged["layers"][i]["q"]["kernel"], want, rtol=1e-6, atol=1e-6)
+        assert base["layers"][i]["q"]["kernel"] is layers[i]["q"]["kernel"]  # input unchanged
+
+
+def test_adapters_keyed_by_ints_save_and_load(tmp_path):
+    base = {"layers": {0: {"q": {"kernel": np.ones((5, 4), np.float32)}}}}
+    lora = LoRA(rank=2, targets="q/kernel")
+    adapters = _random_adapters(lora, base)
+    save_adapters(lora, adapters, str(tmp_path / "a"))
+    _, loaded = load_adapters(str(tmp_path / "a"))
+    np.testing.assert_array_equal(loaded["layers"][0]["q"]["kernel"]["lora_b"],
+                                  adapters["layers"][0]["q"]["kernel"]["lora_b"])
+
+
+def test_truncated_adapters_file_is_named_with_the_fix(tmp_path):
+    base = _tiny_tree()
+    lora = LoRA(rank=2, targets="q/kernel")
+    save_adapters(lora, lora.init(base), str(tmp_path))
+    weights = tmp_path / "adapters.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(ConfigError, match=r"adapters\.safetensors.*damaged or incomplete.*Fix"):
+        load_adapters(str(tmp_path))
+
+
+def test_rank_above_the_kernel_dimensions_is_refused():
+    base = _tiny_tree()
+    with pytest.raises(ConfigError, match=r"rank=5 exceeds .*layer/q/kernel.*at most 4"):
+        LoRA(rank=5, targets="q/kernel").init(base)
+    LoRA(rank=4, targets="q/kernel").init(base)  # full rank: allowed
+
+
+def test_fingerprint_is_the_same_on_any_mesh_and_tells_bases_apart():
+    from redcoast.fingerprint import fingerprint
+    _, base = _model()
+    one = fingerprint(base)
+    mesh = jax.make_mesh((4, 2), ("dp", "mp"))
+    placed = jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*(["mp"] if x.shape[0] % 2 == 0 else [])))), base)
+    assert fingerprint(placed) == one
+    q = jnp.asarray(base["layers"]["0"]["self_attn"]["q_proj"]["kernel"])
+    for changed in (q[::-1], q.at[3, 5].add(1e-6), q.astype(jnp.bfloat16)):
+        other = jax.tree_util.tree_map(lambda x: x, base)
+        other["layers"]["0"]["self_attn"]["q_proj"]["kernel"] = changed
+        assert fingerprint(other) != one
+
+
+@pytest.mark.slow  # a run with checkpoints and a second one refused: ~8 s on the loaded 2-core box
+def test_resuming_adapters_on_another_base_is_a_clear_error(tmp_path):
+    from redcoast.errors import CheckpointError
+    _, base = _model()
+    _, other = _model(seed=7)  # the same shapes, other weights
+    lora = LoRA(rank=2, alpha=4)
+    examples = _examples(16)
+
+    def run(frozen, n_epochs):
+        def loss_fn(rng, state, params, batch, is_training):
+            return _lm_loss(state.apply_fn, lora.merge(state.frozen_params, params), batch["ids"])
+        model, _ = _model()
+        deployer = Deployer(jax_seed=0, n_model_shards=1, verbose=False, workdir=str(tmp_path))
+        trainer = Trainer(deployer, _collate, model.apply, loss_fn, lora.init(base),
+                          optax.adam(1e-2), frozen_params=frozen, fsdp=False, fuse_matmuls=False)
+        trainer.fit(examples, per_device_batch_size=2, n_epochs=n_epochs, save_every_k_epochs=1)
+        return trainer
+
+    run(base, 1)
+    saved = sorted(p.name for p in (tmp_path / "checkpoints" / "steps").iterdir())
+    with pytest.raises(CheckpointError, match=r"(?s)other frozen_params.*values of 1 of.*Fix"):
+        run(jax.tree_util.tree_map(lambda x: x, {**base, "norm": other["norm"]}), 2)
+    with pytest.raises(CheckpointError, match=r"no frozen_params"):
+        Trainer(Deployer(n_model_shards=1, verbose=False), _collate, _model()[0].apply,
+                lambda *a: 0.0, lora.init(base), optax.adam(1e-2), fsdp=False,
+                fuse_matmuls=False).restore_checkpoint(
+            __import__("redcoast.checkpoint", fromlist=["x"]).CheckpointStore(
+                str(tmp_path / "checkpoints" / "steps")))
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "steps").iterdir()) == saved
+    # (the same base resumes: test_checkpoints_hold_the_adapters_and_resume_with_the_base_given_again)
+
+
+# ------------------------------------------------------------------ PEFT's format
+
+def _peft_env():
+    torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft", reason="test-only reference: pip install peft")
+    return torch, transformers, peft
+
+
+def test_peft_format_key_names_and_round_trip(tmp_path):
+    from redcoast.models import load_peft_adapters, save_peft_adapters
+    model, base = _model()
+    lora = LoRA(rank=4, alpha=8, targets=r"(q_proj|v_proj|down_proj)/kernel$")
+    adapters = _random_adapters(lora, base)
+    save_peft_adapters(model, lora, adapters, str(tmp_path))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"]) == \
+        ("LORA", "CAUSAL_LM", 4, 8.0)
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+    assert not config["fan_in_fan_out"]
+    from safetensors.numpy import load_file
+    tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 3 * 2
+    a = tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"]
+    b = tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    pair = adapters["layers"]["1"]["self_attn"]["v_proj"]["kernel"]
+    assert a.shape == (4, 32) and b.shape == (16, 4)  # PyTorch's Linear: (out, in)
+    np.testing.assert_array_equal(a, np.asarray(pair["lora_a"]).T)
+    np.testing.assert_array_equal(b, np.asarray(pair["lora_b"]).T)
+    lora2, loaded = load_peft_adapters(str(tmp_path), model)
+    assert (lora2.rank, lora2.scale) == (4, 2.0)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, loaded, adapters)
+    ids = jnp.asarray(_collate(_examples(2))["ids"])
+    np.testing.assert_array_equal(jax.jit(model.apply)(lora2.merge(base, loaded), ids),
+                                  jax.jit(model.apply)(lora.merge(base, adapters), ids))
+
+
+@pytest.mark.slow  # two transformers models and a PEFT model: ~10 s on the loaded 2-core box
+def test_peft_loads_our_adapters_and_we_load_peft_s(tmp_path):
+    torch, transformers, peft = _peft_env()
+    from hf_reference import randomize
+    from redcoast.models import from_pretrained, load_peft_adapters, save_peft_adapters
+
+    randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))).save_pretrained(
+        str(tmp_path / "base"))
+    model, base = from_pretrained(str(tmp_path / "base"))
+    ids = np.stack([e["ids"] for e in _examples(3, seed=5)])
+    apply = jax.jit(model.apply)
+
+    def torch_logits(m):
+        with torch.no_grad():
+            return m(torch.tensor(ids)).logits.float().numpy()
+
+    # ours -> PEFT
+    lora = LoRA(rank=4, alpha=8, targets=r"(q_proj|v_proj|down_proj)/kernel$")
+    adapters = _random_adapters(lora, base)
+    save_peft_adapters(model, lora, adapters, str(tmp_path / "ours"))
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
+    theirs = torch_logits(peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "ours")).eval())
+    ours = np.asarray(apply(lora.merge(base, adapters), jnp.asarray(ids)))
+    assert np.abs(ours - np.asarray(apply(base, jnp.asarray(ids)))).max() > 0.1
+    print("ours -> PEFT: max |logits difference|", np.abs(theirs - ours).max())
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+
+    # PEFT -> ours
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
+    config = peft.LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj", "o_proj", "up_proj"])
+    peft_model = peft.get_peft_model(hf_base, config)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    peft_model.save_pretrained(str(tmp_path / "theirs"))
+    theirs = torch_logits(peft_model.eval())
+    lora2, loaded = load_peft_adapters(str(tmp_path / "theirs"), model)
+    assert (lora2.rank, lora2.scale) == (3, 5 / 3)
+    assert sorted(loaded["layers"]["0"]["self_attn"]) == ["k_proj", "o_proj"]
+    ours = np.asarray(apply(lora2.merge(base, loaded), jnp.asarray(ids)))
+    assert np.abs(ours - np.asarray(apply(base, jnp.asarray(ids)))).max() > 0.1
+    print("PEFT -> ours: max |logits difference|", np.abs(theirs - ours).max())
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)

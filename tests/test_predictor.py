@@ -78,3 +78,36 @@ def test_laid_out_params_are_used_where_they_are_on_their_own_mesh():
     np.testing.assert_array_equal(np.stack(predictor.predict(examples, 1, split)), np.stack(host))
     meshes = [mesh for mesh, _, _ in predictor._compiled.values()]
     assert [dict(m.shape) for m in meshes] == [{"dp": 2, "mp": 4}, {"dp": 8, "mp": 1}, {"dp": 2, "mp": 4}]
+
+
+def test_a_list_of_per_example_rows_is_refused_with_the_fix(deployer):
+    """Rows as long as the batch (4 data shards x 2 = 8) would come back transposed."""
+    _, params = make_model()
+    rows = lambda rng, p, b: [b["ids"][i, :8] for i in range(8)]  # noqa: E731
+    from redcoast.errors import DataError
+    with pytest.raises(DataError, match=r"(?s)Python list of 8 arrays.*per-example rows.*jnp\.stack"):
+        Predictor(deployer, collate_fn, rows).predict(make_examples(8), 2, params)
+    stacked = lambda rng, p, b: jnp.stack([b["ids"][i, :8] for i in range(8)])  # noqa: E731
+    examples = make_examples(8)
+    outputs = Predictor(deployer, collate_fn, stacked).predict(examples, 2, params)
+    np.testing.assert_array_equal(outputs[3], examples[3]["ids"][:8])
+    # a tuple of fields of other shapes is no list of rows
+    fields = lambda rng, p, b: (b["ids"][:, 0], b["ids"][:, :2])  # noqa: E731
+    first, pair = Predictor(deployer, collate_fn, fields).predict(examples, 2, params)[5]
+    assert int(first) == examples[5]["ids"][0] and pair.shape == (2,)
+
+
+def test_predict_reads_a_generator(deployer):
+    _, params = make_model()
+    examples = make_examples(6)
+    predictor = Predictor(deployer, collate_fn, pred_fn)
+    outputs = predictor.predict((e for e in examples), 1, params)
+    assert [int(o["first"]) for o in outputs] == [int(e["ids"][0]) * 2 for e in examples]
+
+
+def test_params_with_keys_1_and_str_1_name_the_dict(deployer):
+    from redcoast.errors import ConfigError
+    _, params = make_model()
+    params["head"] = {1: params["head"]["bias"], "1": params["head"]["bias"]}
+    with pytest.raises(ConfigError, match=r"params\['head'\] has keys 1 and '1'.*Fix"):
+        Predictor(deployer, collate_fn, pred_fn).predict(make_examples(2), 1, params)

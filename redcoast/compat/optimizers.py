@@ -5,6 +5,7 @@ import optax
 from flax.core import freeze
 
 from ..errors import ConfigError
+from ..validate import tree_keys
 from .notices import warn_redco
 
 
@@ -46,6 +47,7 @@ def unwrap_multisteps(optimizer, opt_state, accumulate_grad_batches, params):
 def params_for_optimizer(optimizer, params):
     """``params``, frozen when the optimizer's labels were built with ``flax.core.freeze``
     (redco froze the parameters, so ``multi_transform(param_labels=freeze(...))`` matched)."""
+    tree_keys("params", params)  # keys JAX cannot sort: named here, not as the optimizer's fault
     try:
         jax.eval_shape(optimizer.init, params)
         return params
