@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,7 @@ class PlanRecord:
     flops_per_device: float
     compile_seconds: float
     compiler: str
+    host_memory_bytes: int = 0   # this planning process's peak resident memory
     tried: list = dataclasses.field(default_factory=list)   # earlier attempts: (what, peak)
     suggestions: list = dataclasses.field(default_factory=list)
 
@@ -73,7 +75,8 @@ class PlanRecord:
                 ("device memory", gib(self.device_memory_bytes)),
                 ("verdict", "FITS" if self.fits else "DOES NOT FIT"),
                 ("FLOPs per device", f"{self.flops_per_device / 1e12:.2f} TFLOP per step"),
-                ("compile", f"{self.compile_seconds:.0f} s, {self.compiler}")]
+                ("compile", f"{self.compile_seconds:.0f} s, {self.compiler}"),
+                ("host memory", f"{self.host_memory_bytes / 2**30:.2f} GiB peak (this process)")]
         rows += [("tried", f"{what}: peak {n / 2**30:.2f} GiB") for what, n in self.tried]
         rows += [("suggestion", s) for s in self.suggestions]
         return "\n".join(f"{k:<18}{v}" for k, v in rows)
@@ -135,30 +138,47 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     rows = per_device_batch_size * deployer.n_data_shards
     ids = jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32)
     batch = {"ids": ids, "mask": jax.ShapeDtypeStruct((rows, seq_len), jnp.int32), "labels": ids}
+    record = PlanRecord(
+        config=str(config), model_type=model_type,
+        n_params=int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))),
+        devices=devices, hosts=hosts, device_memory_bytes=device_memory, seq_len=seq_len,
+        per_device_batch_size=per_device_batch_size, param_dtype=str(param_dtype),
+        optimizer=optimizer, remat=remat, layout="", params_bytes=0, optimizer_bytes=0,
+        gradient_bytes=0, temporary_bytes=0, per_device_peak_bytes=0, fits=False,
+        flops_per_device=0.0, compile_seconds=0.0, compiler="")
+    _hold_state(record, trainer)  # as first placed (from the shapes, FSDP on): no compiling yet
+    state_bytes = record.params_bytes + record.optimizer_bytes + record.gradient_bytes
+    if state_bytes > device_memory:  # hopeless whatever the temporaries: not compiled
+        record.per_device_peak_bytes = state_bytes
+        record.layout = f"dp={deployer.n_data_shards} x mp={shards} (as first placed)"
+        record.compiler = ("not compiled: the training state alone exceeds the device memory "
+                           "(the peak shown is that state, a lower bound)")
+        return record
     start = time.perf_counter()
     compiled = trainer.compile_train_step(batch)
-    seconds = time.perf_counter() - start
+    record.compile_seconds = time.perf_counter() - start
+    _hold_state(record, trainer)  # as the chosen layout places it
     m = compiled.memory_analysis()
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
-    state = trainer.state
+    record.per_device_peak_bytes = int(m.argument_size_in_bytes + m.output_size_in_bytes
+                                       - m.alias_size_in_bytes + m.temp_size_in_bytes)
+    record.temporary_bytes = int(m.temp_size_in_bytes)
+    record.fits = record.per_device_peak_bytes <= device_memory
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    n_params = int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract)))
-    params_bytes = _per_device_bytes(state.params)
-    return PlanRecord(
-        config=str(config), model_type=model_type, n_params=n_params, devices=devices,
-        hosts=hosts, device_memory_bytes=device_memory, seq_len=seq_len,
-        per_device_batch_size=per_device_batch_size, param_dtype=str(param_dtype),
-        optimizer=optimizer, remat=remat,
-        layout=(f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
-                f"{trainer.layout.name}"),
-        params_bytes=params_bytes, optimizer_bytes=_per_device_bytes(state.opt_state),
-        gradient_bytes=params_bytes, temporary_bytes=int(m.temp_size_in_bytes),
-        per_device_peak_bytes=int(peak), fits=peak <= device_memory,
-        flops_per_device=float(cost.get("flops", 0.0)), compile_seconds=seconds,
-        compiler=f"XLA:CPU on {devices} simulated devices (jax {jax.__version__}), standing in "
-                 "for the target's compiler")
+    record.flops_per_device = float(cost.get("flops", 0.0))
+    record.layout = (f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
+                     f"{trainer.layout.name}")
+    record.compiler = (f"XLA:CPU on {devices} simulated devices (jax {jax.__version__}), standing "
+                       "in for the target's compiler")
+    return record
+
+
+def _hold_state(record, trainer):
+    """The per-device bytes of the state the trainer's layout holds, into ``record``."""
+    state = trainer.state
+    record.params_bytes = _per_device_bytes(state.params)
+    record.optimizer_bytes = _per_device_bytes(state.opt_state)
+    record.gradient_bytes = record.params_bytes  # reduced to the parameters' placement
 
 
 def _no_examples(examples):
@@ -206,12 +226,13 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
     args = (config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
             optimizer, model_shards)
     record = _attempt(*args, remat=bool(remat))
-    if not record.fits and remat is None:
+    if not record.fits and remat is None and record.compile_seconds:  # remat frees temporaries
         retry = _attempt(*args, remat=True)
         retry.tried = [("without remat", record.per_device_peak_bytes)]
         record = retry
     if not record.fits:
         record.suggestions = _suggest(record)
+    record.host_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return record
 
 

@@ -29,17 +29,26 @@ def test_a_plan_holds_at_least_the_state_its_layout_must_hold(tiny_config):
     assert record.n_params == 2 * 128 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
     assert record.layout.startswith("dp=2 x mp=4")  # tensor parallel within a host, FSDP across
     state = record.params_bytes + record.optimizer_bytes + record.gradient_bytes
-    assert record.optimizer_bytes == 2 * record.params_bytes  # Adam's two moments, placed alike
-    # each device holds about 1/8 of the fp32 state (FSDP over 'dp' on top of 'mp')
-    assert record.params_bytes < 4 * record.n_params / 8 * 1.5
+    # Adam's two moments, placed alike, and its step count
+    assert 0 <= record.optimizer_bytes - 2 * record.params_bytes <= 8
+    # each device holds about a quarter of the fp32 parameters (FSDP leaves tensors under 1 MiB
+    # whole over 'dp': all of this tiny model's)
+    assert record.params_bytes <= 4 * record.n_params / 4 * 1.1
     assert record.per_device_peak_bytes >= state - record.gradient_bytes
     assert record.fits and not record.remat and not record.suggestions
 
 
 def test_a_plan_that_does_not_fit_says_what_would(tiny_config):
-    record = plan(tiny_config, devices=8, hosts=1, device_memory=20_000, seq_len=32)
-    assert not record.fits
-    assert record.remat and record.tried[0][0] == "without remat"  # remat was tried
+    # the state fits 400 kB, the step's temporaries do not: compiled, then remat tried
+    record = plan(tiny_config, devices=8, hosts=1, device_memory=400_000, seq_len=64)
+    assert record.params_bytes + record.optimizer_bytes + record.gradient_bytes < 400_000
+    assert not record.fits and record.compile_seconds > 0
+    assert record.remat and record.tried[0][0] == "without remat"
+    assert record.tried[0][1] > record.per_device_peak_bytes  # remat needs less
+    assert any("--seq-len" in s for s in record.suggestions)
+    # the state alone does not fit 20 kB: nothing compiled, more devices suggested
+    record = plan(tiny_config, devices=8, hosts=1, device_memory=20_000, seq_len=64)
+    assert not record.fits and record.compile_seconds == 0 and "not compiled" in record.compiler
     assert any("devices of this memory" in s for s in record.suggestions)
 
 

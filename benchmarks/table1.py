@@ -1,0 +1,80 @@
+"""The paper's Table 1 ("runnable model finetuning on different servers", fp32 AdamW at the
+longest training length shown), planned with ``redcoast plan`` on this CPU-only machine: the
+model from its config.json (benchmarks/configs, from the public model cards), the layout the
+Trainer chooses (tensor parallel within a host, FSDP across), the training step compiled for the
+server's device count on simulated devices, its per-device peak against the device's memory.
+Plus OPT-66B on 4 x A100 (should not fit) and Figure 3's OPT-2.7B on 4 x A100.
+
+    python benchmarks/table1.py [--rows NAME ...] [--param-dtype bfloat16]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+CONFIGS = os.path.join(ROOT, "benchmarks", "configs")
+
+# name: (config, devices, hosts, memory per device, sequence length, the server in the paper)
+ROWS = {
+    "bart-large": ("bart-large", 2, 1, "10GB", 1024, "2 x 1080Ti"),
+    "gpt2-large": ("gpt2-large", 2, 1, "10GB", 512, "2 x 1080Ti"),
+    "llama-7b": ("llama-7b", 4, 1, "40GB", 1024, "4 x A100"),
+    "gpt-j-6b": ("gpt-j-6b", 4, 1, "40GB", 1024, "4 x A100"),
+    "t5-xxl": ("t5-v1_1-xxl", 8, 2, "32GB", 512, "2 hosts x 4 TPU-v4"),
+    "opt-13b": ("opt-13b", 8, 2, "32GB", 1024, "2 hosts x 4 TPU-v4"),
+    "opt-66b": ("opt-66b", 64, 16, "32GB", 512, "16 hosts x 4 TPU-v4"),
+    "opt-66b-on-4xA100": ("opt-66b", 4, 1, "40GB", 512, "4 x A100 (not in the paper: too small)"),
+    "opt-2.7b": ("opt-2.7b", 4, 1, "40GB", 1024, "4 x A100 (Figure 3)"),
+}
+
+
+def plan_row(name, param_dtype):
+    config, devices, hosts, memory, seq, _ = ROWS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "plan.json")
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["PYTHONPATH"] = ROOT
+        start = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "redcoast", "plan", os.path.join(CONFIGS, config + ".json"),
+             "--devices", str(devices), "--hosts", str(hosts), "--device-memory", memory,
+             "--seq-len", str(seq), "--param-dtype", param_dtype, "--json", out, "--quiet"],
+            capture_output=True, text=True, env=env)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f), seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+    print(f"{'row':<19}{'server':<24}{'params':>8}{'seq':>6}  {'layout':<40}{'state/dev':>10}"
+          f"{'peak/dev':>9}{'memory':>8}  {'verdict':<13}{'remat':<6}{'compile':>8}{'wall':>7}{'host':>6}")
+    for name in args.rows:
+        r, seconds = plan_row(name, args.param_dtype)
+        state = r["params_bytes"] + r["optimizer_bytes"] + r["gradient_bytes"]
+        layout = r["layout"].split(",")[0] + ("" if r["compile_seconds"] else " (not compiled)")
+        print(f"{name:<19}{ROWS[name][5]:<24}{r['n_params'] / 1e9:>7.2f}B{r['seq_len']:>6}  "
+              f"{layout:<40}{gib(state):>10}{gib(r['per_device_peak_bytes']):>9}"
+              f"{gib(r['device_memory_bytes']):>8}  {'FITS' if r['fits'] else 'DOES NOT FIT':<13}"
+              f"{'yes' if r['remat'] else 'no':<6}{r['compile_seconds']:>7.0f}s{seconds:>6.0f}s"
+              f"{gib(r['host_memory_bytes']):>6}", flush=True)
+        for s in r["suggestions"]:
+            print(f"{'':<19}suggestion: {s}")
+    print("GiB per device; state = parameters + optimizer state + gradients as the layout places "
+          "them; peak = XLA:CPU's memory analysis of the compiled step (arguments + outputs - "
+          "donated + temporaries); host = this machine's peak memory while planning the row.")
+
+
+if __name__ == "__main__":
+    main()
