@@ -19,7 +19,7 @@ import redcoast.steps
 from redcoast import Deployer, LayoutCheckError, Trainer
 from redcoast.sharding.grouped_conv import grouped_convs, guard_grouped_convs
 
-MESHES = [(2, 4), (4, 2)]
+MESHES = [(2, 4), (4, 2), (8, 1)]
 GROUPS = {"ordinary": 1, "grouped": 4, "depthwise": 8}
 
 
@@ -57,6 +57,27 @@ def test_the_plain_jax_reproduction_guarded_gives_one_devices_gradient(loss, gro
     shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P("dp")))
     guarded = guard_grouped_convs(lambda k, v: loss(k, v, groups), mesh)
     got = jax.jit(jax.grad(guarded), in_shardings=shardings)(kernel, x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (4, 2), (2, 4)])
+def test_per_example_convolution_gradients_guarded_equal_one_devices(shape):
+    """vmap(grad) of a convolution (DP-SGD's per-example gradients) folds the examples into the
+    groups of its kernel-gradient convolution: wrong altogether on 8 x 1 without the guard."""
+    def loss(kernel, x):
+        y = lax.conv_general_dilated(x[None], kernel, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    def per_example(kernel, x):
+        return jax.vmap(jax.grad(loss), in_axes=(None, 0))(kernel, x)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8, 8, 3)).astype(np.float32)
+    kernel = (rng.normal(size=(3, 3, 3, 4)) * 0.3).astype(np.float32)
+    expected = per_example(kernel, x)
+    mesh = _mesh(shape)
+    shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P("dp")))
+    got = jax.jit(guard_grouped_convs(per_example, mesh), in_shardings=shardings)(kernel, x)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
