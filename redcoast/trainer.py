@@ -688,67 +688,67 @@ class Trainer:
             except BaseException:
                 lock.release()
                 raise
-        # where this run starts: an epoch, updates and examples (in the epoch's order) into it
-        start_epoch, start_position, start_example = self._first_epoch, 0, 0
-        saved = []  # (step, epoch, position, directory) of the newest checkpoint on disk
-        if resume and store is not None and store.steps():
-            meta = self.restore_checkpoint(store)
-            if meta is not None:
-                start_epoch, start_position = meta["epoch"], meta["position"]
-                start_example = self._examples_consumed(meta, per_update)
-                saved.append((meta["step"], start_epoch, start_position, store.directory))
-                self._best.update(self._best_on_disk(workdir))
-                self._warn_if_config_changed(meta.get("config", {}), config)
-                into = f"{start_position} update{'' if start_position == 1 else 's'} into it"
-                if start_example:
-                    resumed = None if streamed else examples_of(start_epoch)
-                    listed = resumed is not None and is_sequence(resumed)
-                    into += (f": its first {start_example} examples"
-                             f"{' (in its order)' if listed else ''} were trained before the "
-                             "checkpoint and are skipped")
-                    if listed:
-                        left = _updates_after(len(resumed), start_example, per_update, start_epoch)
-                        into += f"; {left} updates of {per_update} remain"
-                self.deployer.log_info(
-                    f"resumed from {store.directory}/{meta['step']}: step {meta['step']}, epoch "
-                    f"{start_epoch + 1}, {into}")
-                if one_shot and start_example:
-                    self.deployer.log_warning(
-                        f"train_examples is an iterator ({type(train_examples).__name__}), which "
-                        f"cannot be rewound: resuming skips the first {start_example} "
-                        "examples it gives, as the interrupted run trained on those; that is "
-                        "right only if it starts where that run's started. Fix: pass a function "
-                        "returning a fresh iterator (`lambda epoch: my_generator(epoch)`, or one "
-                        "with no argument) or a re-iterable (a datasets.IterableDataset).")
-        if eval_examples is not None and eval_loss:
-            self._check_eval_loss(eval_examples)  # now, not after the first epoch has trained
+        try:  # from here on, whatever happens, the store is closed and the lock released
+            # where this run starts: an epoch, updates and examples (in the epoch's order) into it
+            start_epoch, start_position, start_example = self._first_epoch, 0, 0
+            saved = []  # (step, epoch, position, directory) of the newest checkpoint on disk
+            if resume and store is not None and store.steps():
+                meta = self.restore_checkpoint(store)
+                if meta is not None:
+                    start_epoch, start_position = meta["epoch"], meta["position"]
+                    start_example = self._examples_consumed(meta, per_update)
+                    saved.append((meta["step"], start_epoch, start_position, store.directory))
+                    self._best.update(self._best_on_disk(workdir))
+                    self._warn_if_config_changed(meta.get("config", {}), config)
+                    into = f"{start_position} update{'' if start_position == 1 else 's'} into it"
+                    if start_example:
+                        resumed = None if streamed else examples_of(start_epoch)
+                        listed = resumed is not None and is_sequence(resumed)
+                        into += (f": its first {start_example} examples"
+                                 f"{' (in its order)' if listed else ''} were trained before the "
+                                 "checkpoint and are skipped")
+                        if listed:
+                            left = _updates_after(len(resumed), start_example, per_update, start_epoch)
+                            into += f"; {left} updates of {per_update} remain"
+                    self.deployer.log_info(
+                        f"resumed from {store.directory}/{meta['step']}: step {meta['step']}, epoch "
+                        f"{start_epoch + 1}, {into}")
+                    if one_shot and start_example:
+                        self.deployer.log_warning(
+                            f"train_examples is an iterator ({type(train_examples).__name__}), which "
+                            f"cannot be rewound: resuming skips the first {start_example} "
+                            "examples it gives, as the interrupted run trained on those; that is "
+                            "right only if it starts where that run's started. Fix: pass a function "
+                            "returning a fresh iterator (`lambda epoch: my_generator(epoch)`, or one "
+                            "with no argument) or a re-iterable (a datasets.IterableDataset).")
+            if eval_examples is not None and eval_loss:
+                self._check_eval_loss(eval_examples)  # now, not after the first epoch has trained
 
-        def save(epoch, position, consumed):
-            if store is not None:
-                self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
-                saved[:] = [(self._host_step, epoch, position, store.directory)]
+            def save(epoch, position, consumed):
+                if store is not None:
+                    self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
+                    saved[:] = [(self._host_step, epoch, position, store.directory)]
 
-        multi_process = jax.process_count() > 1
-        evaluation = (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn)
-        evaluated = {}  # host step -> eval results (one evaluation per step)
+            multi_process = jax.process_count() > 1
+            evaluation = (eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn)
+            evaluated = {}  # host step -> eval results (one evaluation per step)
 
-        def evaluate(label):
-            """Evaluate after ``label``, once per step; a failure says what is saved."""
-            if self._host_step not in evaluated:
-                evaluated.clear()
-                evaluated[self._host_step] = self._evaluate_epoch(
-                    *evaluation, label, lambda: self._saved_note(saved, store))
-            return evaluated[self._host_step]
+            def evaluate(label):
+                """Evaluate after ``label``, once per step; a failure says what is saved."""
+                if self._host_step not in evaluated:
+                    evaluated.clear()
+                    evaluated[self._host_step] = self._evaluate_epoch(
+                        *evaluation, label, lambda: self._saved_note(saved, store))
+                return evaluated[self._host_step]
 
-        stopped = []  # why the last epoch's train() stopped early: "max_steps" or "signal"
-        end = (n_epochs, 0, 0)  # where a run continuing this one would start
-        # this epoch's start in updates and examples: updates after it are of per_update examples
-        begun = {"position": start_position, "example": start_example}
+            stopped = []  # why the last epoch's train() stopped early: "max_steps" or "signal"
+            end = (n_epochs, 0, 0)  # where a run continuing this one would start
+            # this epoch's start in updates and examples: updates after it are of per_update examples
+            begun = {"position": start_position, "example": start_example}
 
-        def consumed(position):
-            return begun["example"] + (position - begun["position"]) * per_update
+            def consumed(position):
+                return begun["example"] + (position - begun["position"]) * per_update
 
-        try:
             with PreemptionGuard() as guard:
                 def after_step(position):
                     step = self._host_step
@@ -768,7 +768,8 @@ class Trainer:
                         return True
                     return False
 
-                epochs = range(start_epoch, n_epochs) if n_epochs is not None else itertools.count(start_epoch)
+                epochs = (range(start_epoch, n_epochs) if n_epochs is not None
+                          else itertools.count(start_epoch))
                 for epoch in epochs:
                     resumed_epoch = epoch == start_epoch
                     begun["position"] = start_position if resumed_epoch else 0

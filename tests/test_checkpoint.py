@@ -153,6 +153,7 @@ def test_checkpoint_of_another_model_names_the_differences(tmp_path):
     with pytest.raises(ConfigError, match=r"(?s)holds another model.*in the checkpoint, not the "
                                           r"model: params/block_1/LayerNorm_0/bias \(32,\)"):
         trainer.fit(make_examples(32), 1, 1)
+    assert not (tmp_path / "redcoast.lock").exists()  # a refused resume releases the workdir
 
 
 def test_nan_checkpoints_are_never_written(tmp_path):
