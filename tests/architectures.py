@@ -625,6 +625,51 @@ def gptj_rotary(n_layers=2, seed=0, rotary_dim=2):
     return Arch("gptj_rotary", params, loss, _tokens(), {4: exp, 2: exp})
 
 
+# ---- 15. two towers (CLIP-style): a text and an image encoder, a contrastive loss over the batch --
+PATCHES, PATCH_DIM, EMBED = 6, 12, 16
+
+
+def two_tower(n_layers=2, seed=0):
+    """A text tower over tokens and an image tower over patch vectors (pre-LN transformer
+    layers, each tower its own weights), mean-pooled, projected and L2-normalised; the loss is
+    CLIP's symmetric cross-entropy over the batch's similarity matrix. Each tower's layers are
+    split as Megatron's; the projections feed a norm over their output, so they stay whole."""
+    w = _Init(seed)
+
+    def tower():
+        return [{"ln1": w.ones(H), "wq": w(H, H), "wk": w(H, H), "wv": w(H, H), "wo": w(H, H),
+                 "ln2": w.ones(H), "up": w(H, F), "down": w(F, H)} for _ in range(n_layers)]
+    params = {"text": {"embed": w(V, H), "layers": tower(), "proj": w(H, EMBED)},
+              "image": {"patch": w(PATCH_DIM, H), "pos": w(PATCHES, H), "layers": tower(),
+                        "proj": w(H, EMBED)}, "scale": np.array(2.0, np.float32)}
+
+    def encode(layers, h, causal):
+        for lyr in layers:
+            x = rms_norm(h, lyr["ln1"])
+            h = h + merge(attend(heads(x @ lyr["wq"]), heads(x @ lyr["wk"]), heads(x @ lyr["wv"]),
+                                 causal=causal)) @ lyr["wo"]
+            h = h + jax.nn.gelu(rms_norm(h, lyr["ln2"]) @ lyr["up"]) @ lyr["down"]
+        return h.mean(1)
+
+    def loss(p, batch):
+        text = encode(p["text"]["layers"], p["text"]["embed"][batch["inputs"]], True) @ p["text"]["proj"]
+        image = batch["patches"] @ p["image"]["patch"] + p["image"]["pos"]
+        image = encode(p["image"]["layers"], image, False) @ p["image"]["proj"]
+        normalise = lambda e: e / jnp.linalg.norm(e, axis=-1, keepdims=True)  # noqa: E731
+        logits = p["scale"] * normalise(text) @ normalise(image).T
+        labels = jnp.arange(logits.shape[0])
+        return (cross_entropy(logits, labels) + cross_entropy(logits.T, labels)) / 2
+
+    rng = np.random.default_rng(seed)
+    batch = {**_tokens(seed), "patches": rng.standard_normal((B, PATCHES, PATCH_DIM)).astype(np.float32)}
+    exp = {}
+    for t in ("text", "image"):
+        exp.update({f"{t}/layers/0/wq": COL, f"{t}/layers/0/wk": COL, f"{t}/layers/0/wv": COL,
+                    f"{t}/layers/0/wo": ROW, f"{t}/layers/0/up": COL, f"{t}/layers/0/down": ROW,
+                    f"{t}/layers/0/ln1": REP})
+    return Arch("two_tower", params, loss, batch, {4: exp, 2: exp})
+
+
 ARCHITECTURES = {f.__name__: f for f in (plain_jax, flax_linen, flax_nnx, transposed, fused_qkv, gqa, mqa,
                                          moe, encoder_decoder, scan_stacked, gpt2, bert, lora,
-                                         block_sparse, gptj_rotary)}
+                                         block_sparse, gptj_rotary, two_tower)}

@@ -54,7 +54,7 @@ def test_key_weights_get_the_megatron_split(name):
 STEP_CASES = [("plain_jax", 4), ("flax_linen", 2), ("flax_nnx", 4), ("transposed", 2), ("fused_qkv", 4),
               ("gqa", 4), ("mqa", 2), ("moe", 4), ("encoder_decoder", 2), ("scan_stacked", 4),
               ("gpt2", 4), ("bert", 2), ("lora", 4), ("block_sparse", 4),
-              ("gptj_rotary", 2)]
+              ("gptj_rotary", 2), ("two_tower", 4)]
 
 
 @pytest.mark.parametrize("name,n", STEP_CASES)

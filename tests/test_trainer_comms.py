@@ -144,3 +144,17 @@ def test_a_vocabulary_that_does_not_divide_the_shards_costs_no_extra_traffic_per
     layer = per_layer(lambda depth: _odd_vocab_lm_step(depth, 4)[0], mesh)
     ideal = megatron_ideal(B // (jax.device_count() // 4), T, H, 4)
     assert layer["mp"]["wire_bytes"] / ideal["wire_bytes"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_two_towers_each_move_megatrons_bytes():
+    """A text and an image tower (CLIP-style, a loss over the batch): each layer of each tower
+    moves Megatron's bytes at its own sequence length."""
+    from architectures import PATCHES, two_tower
+    n = 4
+    mesh = _trainer_step(two_tower, 2, n)[1]
+    layer = per_layer(lambda depth: _trainer_step(two_tower, depth, n)[0], mesh)
+    per_device = B // (jax.device_count() // n)
+    ideal = (megatron_ideal(per_device, T, H, n)["wire_bytes"]
+             + megatron_ideal(per_device, PATCHES, H, n)["wire_bytes"])
+    assert layer["mp"]["wire_bytes"] / ideal == pytest.approx(1.0)
