@@ -4,6 +4,7 @@ import itertools
 import math
 from collections.abc import Mapping
 import os
+import signal
 import time
 
 import jax
@@ -396,7 +397,15 @@ class Trainer:
         """Raise if a loss was NaN or inf (one host sync): such a state is never saved."""
         bad_step = int(to_host(self._state.nonfinite_step))
         if bad_step >= 0:
-            raise NonFiniteLossError(_nonfinite_message(bad_step, "NaN or inf"))
+            self._nonfinite(bad_step, "NaN or inf")
+
+    def _nonfinite(self, bad_step, value):
+        """Stop at the first non-finite loss: the step count goes back to the updates applied
+        (those from ``bad_step`` on were not), and the error says so."""
+        self._host_step = bad_step
+        self._state = self._state.replace(
+            step=jax.device_put(jnp.asarray(bad_step, jnp.int32), self.layout.replicated))
+        raise NonFiniteLossError(_nonfinite_message(bad_step, value))
 
     def _log_train(self, pending, bar, batch, timed, since):
         """Pull the metrics of the last few steps (one host sync), check them, log them with
@@ -405,7 +414,7 @@ class Trainer:
         history, bad_step = to_host((pending, self._state.nonfinite_step))
         elapsed = time.perf_counter() - since
         if bad_step >= 0:
-            raise NonFiniteLossError(_nonfinite_message(int(bad_step), _describe_nonfinite(history)))
+            self._nonfinite(int(bad_step), _describe_nonfinite(history))
         means = {k: float(np.mean([m[k] for m in history])) for k in history[-1]}
         if self.lr_schedule_fn is not None:
             means["lr"] = float(self.lr_schedule_fn(self._host_step - 1))
@@ -857,11 +866,15 @@ class Trainer:
             self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
             store.wait()
             where = f"saved a checkpoint at step {self._host_step} in {store.directory}"
-        else:
-            where = "no workdir, so nothing was saved"
-        self.deployer.log_info(f"stopped by {guard.signal_name or 'a signal on another process'}: "
-                               f"{where}. Run the same command again to continue.")
-        raise SystemExit(0)
+            self.deployer.log_info(f"stopped by {guard.signal_name or 'a signal on another process'}"
+                                   f": {where}. Run the same command again to continue.")
+            raise SystemExit(0)
+        # nothing to continue from: a failure status (128 + the signal, as a shell reports it)
+        self.deployer.log_warning(
+            f"stopped by {guard.signal_name or 'a signal on another process'} after step "
+            f"{self._host_step}: the Deployer has no workdir, so nothing was saved and running "
+            "again starts from the beginning. Fix: Deployer(..., workdir='...') to resume.")
+        raise SystemExit(128 + signal.Signals[guard.signal_name].value if guard.signal_name else 1)
 
     def _evaluate_epoch(self, eval_examples, eval_bs, eval_loss, eval_predictor, eval_metric_fn,
                         label, saved_note=None):

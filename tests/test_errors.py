@@ -62,7 +62,8 @@ def test_nan_loss_stops_names_the_step_and_saves_nothing(tmp_path):
         trainer.fit(make_examples(48), 1, 1, log_every_n_steps=5, save_last_ckpt=True)
     steps_dir = tmp_path / "checkpoints" / "steps"
     assert not [s for s in os.listdir(steps_dir) if s.isdigit()]
-    assert trainer.step == 5  # stopped at the first logging interval after the bad step
+    # found at the first logging interval after it (step 5); updates 3 and 4 were not applied
+    assert trainer.step == 3 and int(trainer.state.step) == 3
 
 
 def test_batch_larger_than_the_data(deployer):

@@ -433,6 +433,18 @@ def sigterm_at(trainer, stop_step):
     trainer.deployer.log_metrics = log_and_stop
 
 
+def test_a_signal_without_a_workdir_says_nothing_was_saved_and_fails(capsys):
+    deployer = Deployer(jax_seed=0, verbose=False)
+    trainer = Trainer(deployer, id_collate, None, id_loss, {"w": np.zeros((N_IDS,), np.float32)},
+                      optax.sgd(1.0))
+    sigterm_at(trainer, 2)
+    with pytest.raises(SystemExit) as stop:
+        trainer.fit(id_examples("list"), 2, 1, log_every_n_steps=1)
+    assert stop.value.code == 128 + 15  # not 0: there is nothing to continue from
+    out = capsys.readouterr()
+    assert "nothing was saved" in out.out + out.err and "run the same command" not in (out.out + out.err).lower()
+
+
 def times_trained(trainer):
     return -np.asarray(trainer.params["w"])
 
