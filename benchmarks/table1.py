@@ -21,15 +21,15 @@ CONFIGS = os.path.join(ROOT, "benchmarks", "configs")
 
 # name: (config, devices, hosts, memory per device, sequence length, the server in the paper)
 ROWS = {
-    "bart-large": ("bart-large", 2, 1, "10GB", 1024, "2 x 1080Ti"),
-    "gpt2-large": ("gpt2-large", 2, 1, "10GB", 512, "2 x 1080Ti"),
-    "llama-7b": ("llama-7b", 4, 1, "40GB", 1024, "4 x A100"),
-    "gpt-j-6b": ("gpt-j-6b", 4, 1, "40GB", 1024, "4 x A100"),
-    "t5-xxl": ("t5-v1_1-xxl", 8, 2, "32GB", 512, "2 hosts x 4 TPU-v4"),
-    "opt-13b": ("opt-13b", 8, 2, "32GB", 1024, "2 hosts x 4 TPU-v4"),
-    "opt-66b": ("opt-66b", 64, 16, "32GB", 512, "16 hosts x 4 TPU-v4"),
-    "opt-66b-on-4xA100": ("opt-66b", 4, 1, "40GB", 512, "4 x A100 (not in the paper: too small)"),
-    "opt-2.7b": ("opt-2.7b", 4, 1, "40GB", 1024, "4 x A100 (Figure 3)"),
+    "bart-large": ("bart-large", 2, 1, "10GiB", 1024, "2 x 1080Ti"),
+    "gpt2-large": ("gpt2-large", 2, 1, "10GiB", 512, "2 x 1080Ti"),
+    "llama-7b": ("llama-7b", 4, 1, "40GiB", 1024, "4 x A100"),
+    "gpt-j-6b": ("gpt-j-6b", 4, 1, "40GiB", 1024, "4 x A100"),
+    "t5-xxl": ("t5-v1_1-xxl", 8, 2, "32GiB", 512, "2 hosts x 4 TPU-v4"),
+    "opt-13b": ("opt-13b", 8, 2, "32GiB", 1024, "2 hosts x 4 TPU-v4"),
+    "opt-66b": ("opt-66b", 64, 16, "32GiB", 512, "16 hosts x 4 TPU-v4"),
+    "opt-66b-on-4xA100": ("opt-66b", 4, 1, "40GiB", 512, "4 x A100 (not in the paper: too small)"),
+    "opt-2.7b": ("opt-2.7b", 4, 1, "40GiB", 1024, "4 x A100 (Figure 3)"),
 }
 
 
