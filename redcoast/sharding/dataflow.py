@@ -758,6 +758,8 @@ class _Analysis:
     # channels of the next. A grouped convolution (feature_group_count G) is G convolutions side
     # by side: split by whole groups, its input, kernel and output channels split alike.
     def op_conv_general_dilated(self, eqn, ins):
+        """A convolution with a parameter kernel: row-parallel on an input split on its
+        channels, column-parallel on a replicated one, grouped ones by whole groups."""
         x, w = ins
         if eqn.params["batch_group_count"] > 1 or not isinstance(w, Par) or isinstance(x, Par):
             # a kernel computed from data (or a batch-grouped one, as in a kernel gradient)
