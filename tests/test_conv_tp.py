@@ -74,6 +74,28 @@ def test_a_norm_over_the_channels_is_a_conflict_unless_its_groups_stay_whole(nor
         assert kernel.spec == REP and "reduced over the model width" in kernel.reason
 
 
+class _Pooled(nn.Module):
+    """The image classification example's shape: convolutions with pooling between them."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3), name="conv1")(x)), (2, 2), (2, 2))
+        x = nn.max_pool(nn.relu(nn.Conv(64, (3, 3), name="conv2")(x)), (3, 3), (2, 2), padding="SAME")
+        return nn.Dense(10, name="head")(x.reshape((x.shape[0], -1)))
+
+
+def test_pooling_passes_a_channel_split_through():
+    # each channel is pooled alone: the split of conv1's output channels reaches conv2
+    model = _Pooled()
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))["params"]
+    batch = collate(examples(2))
+    placements = dataflow_placements(lambda p, b: model.apply({"params": p}, b["images"]).sum(),
+                                     params, batch, n_model_shards=N)
+    specs = {"/".join(pl.path): pl.spec for pl in placements}
+    assert specs["conv1/kernel"] == COL and specs["conv1/bias"] == P("mp")
+    assert specs["conv2/kernel"] == ROW
+
+
 class _Tiny(nn.Module):
     """Nothing a model shard could split: three outputs of five features."""
 

@@ -873,6 +873,17 @@ class _Analysis:
         self.decide(leaf, pa, "conv-groups")
         return Split(dn.out_spec[1], x.origins)
 
+    def _pool(self, eqn, ins):
+        """A pooling window (avg_pool, max_pool): each channel pooled alone, so a split on an
+        axis the window neither spans, strides, dilates nor pads passes through."""
+        p = eqn.params
+        full = [p["window_dimensions"][i] == 1 and p["window_strides"][i] == 1
+                and tuple(p["padding"][i]) == (0, 0) and p["base_dilation"][i] == 1
+                and p["window_dilation"][i] == 1 for i in range(len(_shape(eqn.invars[0])))]
+        return [self._slice_like(eqn, ins[0], full)]
+
+    op_reduce_window_sum = op_reduce_window_max = op_reduce_window_min = _pool
+
     # ---- control flow ----------------------------------------------------------------------------
     def _carry(self, ins, outs, outvars):
         """Loop carries must keep their placement from one iteration to the next."""
