@@ -6,7 +6,9 @@ over its share (total / 4), and one block's model-parallel wire bytes (the train
 at two depths, collectives differenced, redcoast/comms.py) over Megatron's channel split: one
 all-reduce of the block's [batch, H, W, C] output forward and one of its input gradient backward.
 
-    python benchmarks/comms_cnn.py [resnet|regnet ...]
+    PYTHONPATH=. python benchmarks/comms_cnn.py [resnet|regnet ...]
+
+(PYTHONPATH=. runs this checkout's redcoast rather than an installed one.)
 """
 
 import os
@@ -22,8 +24,7 @@ import optax  # noqa: E402
 
 from cnn_architectures import CNNS, block_activations, collate, examples  # noqa: E402
 from redcoast import Deployer, Trainer  # noqa: E402
-from redcoast.comms import per_layer  # noqa: E402
-from test_conv_tp import megatron_conv_ideal  # noqa: E402
+from redcoast.comms import megatron_conv_ideal, per_layer  # noqa: E402
 
 N, PER_DEVICE, BLOCKS = 4, 2, 2
 

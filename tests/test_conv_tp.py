@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from cnn_architectures import CNNS, block_activations, collate, examples, regnet, resnet
 from redcoast import Deployer, Trainer
-from redcoast.comms import per_layer
+from redcoast.comms import megatron_conv_ideal, per_layer
 from redcoast.sharding.dataflow import dataflow_placements
 
 COL, ROW, REP = P(None, None, None, "mp"), P(None, None, "mp"), P()
@@ -157,16 +157,6 @@ def _device0_share(trainer):
         total += x.nbytes
         held += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
     return held / (total / N)
-
-
-def megatron_conv_ideal(activations, n_model_shards, itemsize=4):
-    """Megatron's channel split per block of a CNN, one device, one training step: one
-    all-reduce of the block's output activation forward (after its row-parallel convolution)
-    and one of its input gradient backward (before its column-parallel one). ``activations``:
-    the [batch, H, W, C] per device of each block counted."""
-    act = sum(int(np.prod(a)) for a in activations) * itemsize
-    g = n_model_shards
-    return {"count": 2 * len(activations), "bytes": 2 * act, "wire_bytes": 2 * 2 * (g - 1) / g * act}
 
 
 @pytest.mark.slow  # about 40 s per CNN on 2 cores: three compiled steps, a check, two updates
