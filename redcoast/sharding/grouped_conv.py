@@ -23,8 +23,9 @@ partitioner still all-gathers the kernel (and, in the backward pass, activations
 convolution over 'mp' (a RegNet block: 1.64x Megatron's bytes). A ``shard_map`` over the split
 channels (each device convolving its own groups) moved exactly Megatron's bytes and was right
 alone and in most models, but gave gradients 1-4% off in a two-block-per-stage RegNet with
-BatchNorm on 2 x 4 (deterministic; right with ``--xla_backend_optimization_level=0``, so a
-miscompile of XLA's CPU backend rather than a wrong program), so it is not used. The guard
+BatchNorm on 2 x 4 (deterministic; right with ``--xla_backend_optimization_level=0`` or with
+XLA's algebraic simplifier off, ``--xla_disable_hlo_passes=algsimp``: a miscompile rather than
+a wrong program; jax 0.10.2, CPU), so it is not used. The guard
 recognises a kernel by the parameter it carries (weight_origins.py).
 """
 
