@@ -5,7 +5,8 @@ all-gather, reduce-scatter, all-to-all, collective-permute, their async ``-start
 tuple-typed variadic results), multiplies those inside loops by the loop's trip count, and tells
 the model-parallel ones (replica groups along 'mp') from the data-parallel ones (along 'dp').
 ``per_layer`` differences two depths of a model to get the bytes of one layer, which
-``megatron_ideal`` gives for Megatron-LM's hand-written plan.
+``megatron_ideal`` gives for Megatron-LM's hand-written plan (``megatron_conv_ideal`` for the
+channel split of a CNN's blocks).
 
 Two measures of size are kept: ``bytes`` is the size of the array being reduced or gathered
 (the full all-gather output, the full reduce-scatter input), ``wire_bytes`` what one device sends
@@ -318,6 +319,17 @@ def megatron_ideal(batch_per_device, seq, hidden, n_model_shards, itemsize=4, cr
     act = batch_per_device * seq * hidden * itemsize
     g = n_model_shards
     return {"count": n, "bytes": n * act, "wire_bytes": n * 2 * (g - 1) / g * act}
+
+
+def megatron_conv_ideal(activations, n_model_shards, itemsize=4):
+    """Megatron's channel split of a CNN's residual blocks, for one training step on one device:
+    per block, one all-reduce of its [batch, H, W, C] output forward (after its row-parallel
+    convolution) and one of its input gradient backward (before its column-parallel one).
+    ``activations``: the per-device [batch, H, W, C] of each block counted. Returns
+    ``{'count', 'bytes', 'wire_bytes'}`` as :func:`megatron_ideal`."""
+    act = sum(int(np.prod(a)) for a in activations) * itemsize
+    g = n_model_shards
+    return {"count": 2 * len(activations), "bytes": 2 * act, "wire_bytes": 2 * 2 * (g - 1) / g * act}
 
 
 def per_layer(compile_fn, mesh=None, depths=(2, 4)):

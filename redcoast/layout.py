@@ -176,13 +176,15 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     rows = NamedSharding(mesh, P("dp"))
     grad_step = None
     if recipe.train_step_fn is None:
+        # the grouped-convolution guard splits channels as the plan does, fused or not
+        guard_plan = RewritePlan.from_sharding_plan(plan)
         step_fn = make_train_step(
             loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
             grad_shardings=state_shardings.params, rewrite_plan=rewrite,
             compute_shardings=plan.compute_shardings(), log_grad_norm=recipe.log_grad_norm,
-            mesh=mesh)
+            mesh=mesh, guard_plan=guard_plan)
         loss_and_grad = make_loss_and_grad(loss_fn, recipe.compute_dtype, rewrite,
-                                           plan.compute_shardings(), mesh)
+                                           plan.compute_shardings(), mesh, guard_plan)
         grad_step = jax.jit(lambda state, batch, rng: loss_and_grad(state, state.params, batch, rng),
                             in_shardings=(state_shardings, rows, replicated),
                             out_shardings=(replicated, replicated, state_shardings.params))
@@ -236,8 +238,9 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     mesh with n model shards. One candidate: built, not compiled. Several numbers of model
     shards (``'auto'``): each is first measured in its leanest setting (FSDP and fusion on
     where they are options), from the fewest shards up, stopping once a count that fits costs
-    more per example than the one before; the other settings are compared at the best count
-    only. A few compilations at the first batch in all.
+    more per example than the one before; a count over which the plan splits nothing is not
+    measured (its devices would repeat the same work); the other settings are compared at the
+    best count only. A few compilations at the first batch in all.
     """
     traced = {}  # Candidate -> (plan, source, abstract batch, mesh)
     batches = {}  # n_model_shards -> (mesh, the first batch on it): collated once per mesh
@@ -288,21 +291,25 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
             layouts[c] = layout
         return measured[c]
 
+    skipped = []  # shard counts the plan splits nothing over: not compared
     if len(shard_counts) > 1:
-        best = None
+        best = last = None
         for n in sorted(shard_counts):
             lean = distinct(candidates_at(n, shape_of(n), fsdp_options, fuse_options))[-1]
-            e = measure(lean)
+            if not trace(lean)[0].splits_over_model_shards():
+                skipped.append(n)  # its devices would repeat the same work
+                continue
+            e, last = measure(lean), lean
             if e.memory_bytes > budget_bytes:
                 continue
             if best is not None and e.seconds_per_example >= measured[best].seconds_per_example:
                 break
             best = lean
         if best is None:
-            n = max(shard_counts)
+            n = last.n_model_shards
             raise ConfigError(
-                f"n_model_shards='auto': even split over all {n} devices the training step needs "
-                f"{_size(measured[lean].memory_bytes)} per device, over the budget of "
+                f"n_model_shards='auto': even split over {n} model shards the training step needs "
+                f"{_size(measured[last].memory_bytes)} per device, over the budget of "
                 f"{_size(budget_bytes)}. Fix: a smaller per_device_batch_size, "
                 "accumulate_grad_batches, compute_dtype=jnp.bfloat16, rematerialisation in the "
                 "model, or more devices.")
@@ -314,9 +321,12 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     estimates = [measured[c] for c in compared]
     i, why = choose(estimates, budget_bytes)
     chosen = compared[i]
+    table = format_table(compared, estimates, i, budget_bytes)
+    if skipped:
+        table += (f"\nmp={', '.join(map(str, skipped))}: not compared, the model has nothing to "
+                  "split over that many model shards")
     return dataclasses.replace(
-        layouts[chosen], estimate=estimates[i], reason=why,
-        table=format_table(compared, estimates, i, budget_bytes),
+        layouts[chosen], estimate=estimates[i], reason=why, table=table,
         considered=tuple(zip(compared, estimates)))
 
 

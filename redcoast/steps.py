@@ -91,7 +91,7 @@ def with_frozen_cast(state, compute_dtype):
 
 
 def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardings=None,
-                       mesh=None):
+                       mesh=None, guard_plan=None):
     """``loss_and_grad(state, params, batch, rng) -> (loss, metrics, grads)``: the training
     loss of one micro-batch and its gradient, as the training step computes them.
 
@@ -102,7 +102,9 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
     rewrites of sharding/fusion.py). ``compute_shardings`` (``plan.compute_shardings()``):
     where the loss uses each parameter (see :func:`gathered`). ``mesh``: the mesh the step runs
     on; its grouped convolutions are then guarded against the partitioner's wrong kernel
-    gradient (sharding/grouped_conv.py).
+    gradient (sharding/grouped_conv.py), with their channels split where ``guard_plan`` (the
+    ``RewritePlan`` of the parameters' plan, whether or not the loss is rewritten) splits
+    their kernels.
     """
     def training_loss(p, batch, rng, state):
         return loss_fn(rng, with_frozen_cast(state, compute_dtype),
@@ -110,7 +112,7 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
 
     def objective_of(state):
         fn = lambda p, b, r: training_loss(p, b, r, state)  # noqa: E731
-        return fn if mesh is None else guard_grouped_convs(fn, mesh)
+        return fn if mesh is None else guard_grouped_convs(fn, mesh, plan=guard_plan)
 
     def loss_and_grad(state, params, batch, rng):
         def objective(p):
@@ -135,16 +137,18 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
 
 
 def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
-                    rewrite_plan=None, compute_shardings=None, log_grad_norm=False, mesh=None):
+                    rewrite_plan=None, compute_shardings=None, log_grad_norm=False, mesh=None,
+                    guard_plan=None):
     """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
 
     With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
     the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
-    the first step whose loss was not finite. ``rewrite_plan``, ``compute_shardings`` and
-    ``mesh``: see :func:`make_loss_and_grad`. ``log_grad_norm`` adds the global norm of the
+    the first step whose loss was not finite. ``rewrite_plan``, ``compute_shardings``, ``mesh``
+    and ``guard_plan``: see :func:`make_loss_and_grad`. ``log_grad_norm`` adds the global norm of the
     (averaged) gradient to the metrics as ``grad_norm``.
     """
-    loss_and_grad = make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan, compute_shardings, mesh)
+    loss_and_grad = make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan, compute_shardings, mesh,
+                                       guard_plan)
 
     def step(state, batch, rng):
         step_rng = jax.random.fold_in(rng, state.step)

@@ -173,6 +173,8 @@ class Trainer:
         self._adopt(layout)
         if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
             deployer.log_warning(f"sharding plan from {layout.source}")
+        if len(shard_counts) == 1 and layout.plan.nothing_to_split():  # said always: n x the work
+            deployer.log_warning(layout.plan.nothing_to_split() + ".")
         if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
             deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
                               f"{layout.n_data_shards} x mp={layout.n_model_shards}): {layout.reason}.")

@@ -145,13 +145,58 @@ def test_trainer_steps_on_grouped_convolutions_equal_one_device(n_model_shards):
 def test_check_layout_finds_the_layout_without_the_guard(monkeypatch):
     """A deliberately broken layout (the guard removed, the partitioner's defect let through)
     is found and the wrong leaves are named. If this fails because nothing is found, XLA has
-    fixed the defect on this jax: the guard may then be kept only for older versions."""
-    monkeypatch.setattr(redcoast.steps, "guard_grouped_convs", lambda fn, mesh: fn)
+    fixed the defect on this jax: the guard may then be kept only for older versions. The
+    kernels are kept replicated by rule, so that the convolutions' inputs are replicated over
+    'mp', where the defect shows (with the plan's channel split they are right, see below)."""
+    monkeypatch.setattr(redcoast.steps, "guard_grouped_convs", lambda fn, mesh, **kw: fn)
     model, params, examples, collate, loss_fn = _convnet_setup()
     trainer = Trainer(Deployer(jax_seed=0, n_model_shards=4, verbose=False), collate, model.apply,
-                      loss_fn, params, optax.sgd(0.5))
+                      loss_fn, params, optax.sgd(0.5), params_sharding_rules=[((".*",), P())])
     with pytest.raises(LayoutCheckError, match="DIFFERS from one device") as info:
         trainer.check_layout(examples, 2)
     message = str(info.value)
     assert "gradient of grouped/kernel" in message and "gradient of depthwise/kernel" in message
     assert "gradient of stem/kernel" not in message  # the ordinary convolution is right
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_the_partitioner_is_right_with_the_input_split_on_its_channels_and_wrong_without(shape):
+    """What the guard of a channel-split grouped convolution rests on (grouped_conv.py): XLA's
+    gradient is one device's when the input is split over 'mp' on its feature axis (the kernel
+    split by groups or whole), and size('mp') x the kernel gradient when the input is
+    replicated over 'mp', even with the kernel split: the guard pins the input split."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 16, 16)).astype(np.float32)
+    kernel = (rng.normal(size=(3, 4, 16)) * 0.3).astype(np.float32)
+    expected = jax.grad(plain)(kernel, x, 4)
+    mesh = _mesh(shape)
+
+    def kernel_grad(x_spec, kernel_spec):
+        shardings = (NamedSharding(mesh, kernel_spec), NamedSharding(mesh, x_spec))
+        return jax.jit(jax.grad(lambda k, v: plain(k, v, 4)), in_shardings=shardings)(kernel, x)
+
+    for kernel_spec in (P(None, None, "mp"), P()):
+        np.testing.assert_allclose(kernel_grad(P("dp", None, "mp"), kernel_spec), expected,
+                                   rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    wrong = kernel_grad(P("dp"), P(None, None, "mp"))
+    np.testing.assert_allclose(wrong, shape[1] * expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_a_channel_split_grouped_convolution_is_pinned_not_gathered_into_a_shard_map():
+    """Where the plan splits a grouped kernel by groups over 'mp', the guard pins the input split
+    on its channels and leaves the convolution to the partitioner (right so, above); a kernel the
+    plan keeps whole still runs under the shard_map."""
+    from redcoast.sharding.rewrite_plan import RewritePlan
+    from redcoast.sharding.rules import Placement
+
+    mesh = _mesh((2, 4))
+    x, kernel = jnp.ones((8, 16, 16)), jnp.ones((3, 4, 16))
+
+    def traced(spec):
+        plan = RewritePlan.from_placements([Placement(("k",), kernel.shape, np.float32, spec, "")], mesh)
+        guarded = guard_grouped_convs(lambda p, v: plain(p["k"], v, 4), mesh, plan=plan)
+        return str(jax.make_jaxpr(guarded)({"k": kernel}, x))
+
+    split = traced(P(None, None, "mp"))
+    assert "shard_map" not in split and "sharding_constraint" in split and "'mp'" in split
+    assert "shard_map" in traced(P())

@@ -581,7 +581,7 @@ class _Analysis:
         if isinstance(s, Split):
             if s.axis in axes:
                 size = _shape(eqn.invars[0])[s.axis]
-                if size == self.width:
+                if size == self.width or size in self.channel_widths:
                     self.conflict(s.origins, f"it is reduced over the model width ({what}, e.g. a norm)",
                                   taint=False)
                 return Rep(_all(len(keep)))
@@ -861,6 +861,139 @@ class _Analysis:
             self.candidates[leaf] = cands
         return cands
 
+    # ---- convolutions --------------------------------------------------------------------------
+    # A convolution is a dense layer over its channel axes, applied at every position: the
+    # kernel's O axis (rhs_spec[0]) is a matmul's output axis, its I axis (rhs_spec[1]) the
+    # contracted one, so Megatron's rules split output channels of one convolution and input
+    # channels of the next. A grouped convolution (feature_group_count G) is G convolutions side
+    # by side: split by whole groups, its input, kernel and output channels split alike.
+    def op_conv_general_dilated(self, eqn, ins):
+        """A convolution with a parameter kernel: row-parallel on an input split on its
+        channels, column-parallel on a replicated one, grouped ones by whole groups."""
+        x, w = ins
+        if eqn.params["batch_group_count"] > 1 or not isinstance(w, Par) or isinstance(x, Par):
+            # a kernel computed from data (or a batch-grouped one, as in a kernel gradient)
+            return self.unknown(eqn, ins, "a convolution whose kernel is not a parameter")
+        dn = eqn.params["dimension_numbers"]
+        out_nd = len(_shape(eqn.outvars[0]))
+        self.used.add(w.leaf)
+        self.channel_widths.update((_shape(eqn.invars[0])[dn.lhs_spec[1]],
+                                    _shape(eqn.outvars[0])[dn.out_spec[1]]))
+        if isinstance(x, Split) and x.axis != dn.lhs_spec[1]:
+            if x.axis == dn.lhs_spec[0]:  # split over the batch: every example convolved alone
+                return [Split(dn.out_spec[0], x.origins)]
+            self.conflict(x.origins, "a convolution's window runs over its split (spatial) axis")
+            return [Rep(_all(out_nd))]
+        if eqn.params["feature_group_count"] > 1:
+            return [self.grouped_conv(eqn, x, w, dn, out_nd)]
+        if isinstance(x, Split):  # input channels split: row-parallel, the output all-reduced
+            return [self.conv_row(eqn, x, w, dn, out_nd)]
+        return [self.conv_column(eqn, w, dn, out_nd, "column")]
+
+    @property
+    def channel_widths(self):
+        """The channel counts of the convolutions seen: a split of one of them reduced away
+        (a LayerNorm over the channels) is a norm over the model width (see :meth:`_reduce`)."""
+        return self.__dict__.setdefault("_channel_widths", set())
+
+    def _conv_axis(self, eqn, w, kernel_axis):
+        """The parameter axis of the kernel's ``kernel_axis`` if ``self.n`` shards divide it
+        (as the kernel is stored and as the convolution sees it), else None."""
+        pa = w.axes[kernel_axis]
+        if pa is None or self.shapes[w.leaf][pa] % self.n or _shape(eqn.invars[1])[kernel_axis] % self.n:
+            return None
+        return pa
+
+    def conv_row(self, eqn, x, w, dn, out_nd):
+        """A convolution reading input channels split over the shards: its kernel's I axis is
+        split to match, each shard sums its channels, the output is all-reduced (replicated)."""
+        leaf = w.leaf
+        src = self._conv_src(w, dn, x.origins)
+        pa = self._conv_axis(eqn, w, dn.rhs_spec[1])
+        if pa is None or leaf in self.final:
+            why = (self.final.get(leaf) or self.undivisible.get(leaf)
+                   or f"its input channels ({_shape(eqn.invars[1])[dn.rhs_spec[1]]}) are not "
+                      f"divisible by {self.n}")
+            self.conflict(x.origins, f"the next convolution's kernel cannot be split ({why})", taint=False)
+            return Rep(_all(out_nd), src)
+        if leaf in self.wish and self.wish[leaf] != pa:
+            self.conflict(x.origins, "a convolution reading it is asked to split its output channels "
+                                     "instead, to follow a split it is added to", taint=False)
+            return Rep(_all(out_nd), src)
+        if leaf in self.decided and self.decided[leaf][0] != pa:
+            self.conflict(x.origins, "the next convolution's kernel is split another way", taint=False)
+        else:
+            self.decide(leaf, pa, "row")
+        self.clean_out = True  # the row-parallel output is replicated in any placement
+        return Rep(_all(out_nd), src)
+
+    def _conv_src(self, w, dn, upstream):
+        """A replicated convolution output's ``Rep.src``: the kernel could split its output
+        channels to follow a split it is added to (a projection shortcut beside a block), as
+        :meth:`residual_meet` weighs against giving up the splits upstream."""
+        pa = w.axes[dn.rhs_spec[0]]
+        return None if pa is None else (w.leaf, {dn.out_spec[1]: pa}, upstream)
+
+    def conv_column(self, eqn, w, dn, out_nd, kind):
+        """A convolution reading a replicated input: split its output channels (the kernel's O
+        axis) if they divide, the output split on its feature axis; else replicated."""
+        leaf = w.leaf
+        src = self._conv_src(w, dn, frozenset())
+        if leaf in self.final:
+            return Rep(_all(out_nd), src)
+        pa = self._conv_axis(eqn, w, dn.rhs_spec[0])
+        cands = [] if pa is None else [pa]
+        if leaf in self.wish and self.wish[leaf] == pa:  # asked to follow a split: nothing else
+            cands = [pa]
+        if not cands and leaf not in self.undivisible:
+            self.undivisible[leaf] = (f"output channels {_shape(eqn.invars[1])[dn.rhs_spec[0]]} "
+                                      f"not divisible by {self.n}")
+        if len(cands) > len(self.candidates.get(leaf, ())):
+            self.candidates[leaf] = cands
+        if self.choice.get(leaf, 0) >= len(cands):
+            return Rep(_all(out_nd), src)
+        if not self.decide(leaf, pa, kind):
+            return Rep(_all(out_nd))
+        return Split(dn.out_spec[1], frozenset([leaf]))
+
+    def grouped_conv(self, eqn, x, w, dn, out_nd):
+        """A grouped convolution, split by whole groups when the shards divide them: input,
+        kernel O and output channels split alike, no communication. On a replicated input
+        it starts a split as a column-parallel layer does; on a split one it carries it on."""
+        leaf, groups = w.leaf, eqn.params["feature_group_count"]
+        if groups % self.n:
+            self.undivisible[leaf] = (f"a grouped convolution of {groups} groups, not divisible "
+                                      f"by {self.n} shards")
+            if isinstance(x, Split):
+                self.conflict(x.origins, f"the next convolution's kernel cannot be split "
+                                         f"({self.undivisible[leaf]})", taint=False)
+            return Rep(_all(out_nd))
+        if not isinstance(x, Split):
+            return self.conv_column(eqn, w, dn, out_nd, "conv-groups")
+        pa = self._conv_axis(eqn, w, dn.rhs_spec[0])  # O = groups x outputs per group: divides
+        if pa is None or leaf in self.final:
+            why = self.final.get(leaf) or "its layout hides the output channels"
+            self.conflict(x.origins, f"the next grouped convolution's kernel cannot be split ({why})",
+                          taint=False)
+            return Rep(_all(out_nd))
+        if leaf in self.decided and self.decided[leaf][0] != pa:
+            self.conflict(x.origins, "the next grouped convolution's kernel is split another way",
+                          taint=False)
+            return Rep(_all(out_nd))
+        self.decide(leaf, pa, "conv-groups")
+        return Split(dn.out_spec[1], x.origins)
+
+    def _pool(self, eqn, ins):
+        """A pooling window (avg_pool, max_pool): each channel pooled alone, so a split on an
+        axis the window neither spans, strides, dilates nor pads passes through."""
+        p = eqn.params
+        full = [p["window_dimensions"][i] == 1 and p["window_strides"][i] == 1
+                and tuple(p["padding"][i]) == (0, 0) and p["base_dilation"][i] == 1
+                and p["window_dilation"][i] == 1 for i in range(len(_shape(eqn.invars[0])))]
+        return [self._slice_like(eqn, ins[0], full)]
+
+    op_reduce_window_sum = op_reduce_window_max = op_reduce_window_min = _pool
+
     # ---- control flow ----------------------------------------------------------------------------
     def _carry(self, ins, outs, outvars):
         """Loop carries must keep their placement from one iteration to the next."""
@@ -946,6 +1079,7 @@ class _Analysis:
                 "embedding-vocab": f"embedding: vocabulary axis {axis} (size {size}) split",
                 "embedding-hidden": f"embedding: hidden axis {axis} (size {size}) split (vocabulary not divisible)",
                 "follow": f"axis {axis} (size {size}) split with the output it is added to",
+                "conv-groups": f"grouped convolution: output channels (axis {axis}, size {size}) split by whole groups; input and output channels split alike",
             }[kind]
             return axis, text
         if leaf in self.undivisible:

@@ -45,7 +45,8 @@ def axis_size(entry, axis_sizes):
     return groups if axis_sizes[axis] % groups == 0 else None
 
 
-def _entries(spec):
+def entries(spec):
+    """The mesh axis names a PartitionSpec names, one per name (grouped ones as written)."""
     for entry in spec:
         for name in (entry if isinstance(entry, tuple) else (entry,)):
             if name is not None:
@@ -69,7 +70,7 @@ def factored_mesh(mesh, axis, groups):
 
 def named_sharding(mesh, spec):
     """``NamedSharding(mesh, spec)``, where ``spec`` may name grouped axes."""
-    found = {parse(name) for name in _entries(spec) if parse(name)[1] is not None}
+    found = {parse(name) for name in entries(spec) if parse(name)[1] is not None}
     if not found:
         return NamedSharding(mesh, spec)
     if len(found) > 1:
@@ -95,4 +96,4 @@ def named_sharding(mesh, spec):
 
 def per_device_pieces(spec, axis_sizes):
     """How many pieces ``spec`` cuts a tensor into on a mesh of ``axis_sizes``."""
-    return int(np.prod([axis_size(name, axis_sizes) or 1 for name in _entries(spec)]))
+    return int(np.prod([axis_size(name, axis_sizes) or 1 for name in entries(spec)]))

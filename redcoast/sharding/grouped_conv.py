@@ -17,17 +17,35 @@ whole, the convolution computed locally (one whose batch does not divide, or hol
 computed whole on every device: right, if slower). The partitioner never sees it, and the
 kernel's gradient is the sum over the data shards that ``shard_map``'s own differentiation
 writes. The rest of the program is left as traced.
+
+Where the plan splits a grouped convolution's channels over 'mp' by whole groups (the data-flow
+analysis does when the shards divide its groups), gathering its kernel and input into the
+``shard_map`` would undo the split. The partitioner gets such a convolution right when its input
+is split over 'mp' on its feature axis (whatever the kernel's placement), and wrong when the
+input is replicated over 'mp' (size('mp') x again; measured on jax 0.10.2, CPU, 2 x 4 and 4 x 2),
+so the guard pins its input split on the feature axis and leaves it to the partitioner. The
+partitioner still all-gathers the kernel (and, in the backward pass, activations) of such a
+convolution over 'mp' (a RegNet block: 1.64x Megatron's bytes). A ``shard_map`` over the split
+channels (each device convolving its own groups) moved exactly Megatron's bytes and was right
+alone and in most models, but gave gradients 1-4% off in a two-block-per-stage RegNet with
+BatchNorm on 2 x 4 (deterministic; right with ``--xla_backend_optimization_level=0`` or with
+XLA's algebraic simplifier off, ``--xla_disable_hlo_passes=algsimp``: a miscompile rather than
+a wrong program; jax 0.10.2, CPU), so it is not used. The guard
+recognises a kernel by the parameter it carries (weight_origins.py).
 """
 
 import warnings
 
 import jax
 from jax.extend import core as jcore
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import weight_origins
 from .jaxpr_tools import bind
+from .paths import leaves_with_paths
 
 CONV = "conv_general_dilated"
+MODEL_AXIS = "mp"
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("checkpoint", "remat", "remat2")
 # bodies the partitioner never splits: the user's own shard_map is computed per device
@@ -68,6 +86,16 @@ def grouped_convs(jaxpr):
     return found
 
 
+def channels_split(eqn, kernel_origin, mesh, model_axis=MODEL_AXIS):
+    """Whether ``eqn``'s grouped convolution runs with its channels split over ``model_axis``:
+    the plan splits its kernel's output axis over every model shard (``kernel_origin``: the
+    parameter the kernel carries, weight_origins.py, or None) and the shards divide its groups."""
+    n = mesh.shape.get(model_axis, 1)
+    o_axis = eqn.params["dimension_numbers"].rhs_spec[0]
+    return (n > 1 and kernel_origin is not None and eqn.params["batch_group_count"] == 1
+            and eqn.params["feature_group_count"] % n == 0 and kernel_origin.split_along([o_axis]))
+
+
 def _conv_on_mesh(eqn, lhs, rhs, mesh, batch_axis):
     """``eqn``'s convolution under ``shard_map``: the input split over ``batch_axis`` along its
     batch dimension where that divides (a batch-grouped convolution, whose batch holds its
@@ -90,6 +118,20 @@ def _conv_on_mesh(eqn, lhs, rhs, mesh, batch_axis):
                          out_specs=spec(out_ndim, b_out))(lhs, rhs)
 
 
+def _conv_on_split_channels(eqn, lhs, rhs, mesh, batch_axis):
+    """``eqn``'s convolution, its channels split by whole groups over the model shards, left to
+    the partitioner with its input pinned split on its feature axis (and on its batch over
+    ``batch_axis`` where that divides): the partitioner's kernel gradient is right with the input
+    split so (tests/test_grouped_conv.py)."""
+    dn = eqn.params["dimension_numbers"]
+    spec = [None] * lhs.ndim
+    spec[dn.lhs_spec[1]] = MODEL_AXIS
+    if lhs.shape[dn.lhs_spec[0]] % mesh.shape[batch_axis] == 0:
+        spec[dn.lhs_spec[0]] = batch_axis
+    lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(mesh, P(*spec)))
+    return bind(eqn, [lhs, rhs])[0]
+
+
 def _varying(x, axis):
     """``x`` (the same on every device along ``axis``) typed as varying along it."""
     if hasattr(jax.lax, "pcast"):  # jax >= 0.10
@@ -97,51 +139,69 @@ def _varying(x, axis):
     return jax.lax.pvary(x, (axis,))
 
 
-def _evaluate(jaxpr, consts, args, mesh, batch_axis):
-    """Run ``jaxpr`` with its grouped convolutions guarded (see the module docstring)."""
+def _evaluate(jaxpr, consts, args, mesh, batch_axis, arg_origins=None):
+    """Run ``jaxpr`` with its grouped convolutions guarded (see the module docstring);
+    ``arg_origins``: the parameter each of ``args`` carries, or None (weight_origins.py)."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    origins = weight_origins.propagate(jaxpr, arg_origins or [None] * len(jaxpr.invars))
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     for eqn in jaxpr.eqns:
         vals = [read(v) for v in eqn.invars]
+        ins = [weight_origins.of(origins, v) for v in eqn.invars]
         if is_grouped_conv(eqn):
-            outs = [_conv_on_mesh(eqn, *vals, mesh, batch_axis)]
+            guard = _conv_on_split_channels if channels_split(eqn, ins[1], mesh) else _conv_on_mesh
+            outs = [guard(eqn, *vals, mesh, batch_axis)]
         elif eqn.primitive.name not in _LOCAL and any(grouped_convs(s) for _, _, s in sub_jaxprs(eqn)):
-            outs = _guarded_call(eqn, vals, mesh, batch_axis)
+            outs = _guarded_call(eqn, vals, mesh, batch_axis, ins)
         else:
             outs = bind(eqn, vals)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _guarded_closed(closed, mesh, batch_axis):
+def _guarded_closed(closed, mesh, batch_axis, arg_origins):
     """The same ClosedJaxpr with its grouped convolutions guarded."""
     def run(*args):
-        return _evaluate(closed.jaxpr, closed.consts, args, mesh, batch_axis)
+        return _evaluate(closed.jaxpr, closed.consts, args, mesh, batch_axis, arg_origins)
     return jax.make_jaxpr(run)(*[v.aval for v in closed.jaxpr.invars])
 
 
-def _guarded_call(eqn, vals, mesh, batch_axis):
-    """An equation holding a grouped convolution in a sub-program, run with it guarded."""
+def _body_origins(eqn, key, ins):
+    """The origins of the inputs of ``eqn``'s sub-program ``key`` (a loop or branch body) from
+    those of ``eqn``'s operands: loop constants keep theirs, carried values have none."""
+    name = eqn.primitive.name
+    if name == "scan":
+        return weight_origins.scan_body(eqn, ins)
+    if name == "cond":  # the first operand is the branch index
+        return ins[1:]
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    carry = [None] * (len(ins) - cn - bn)
+    return ins[:cn] + carry if key == "cond_jaxpr" else ins[cn:cn + bn] + carry
+
+
+def _guarded_call(eqn, vals, mesh, batch_axis, ins):
+    """An equation holding a grouped convolution in a sub-program, run with it guarded
+    (``ins``: the origins of its operands)."""
     name = eqn.primitive.name
     if name in _INLINE:
         sub = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
         if isinstance(sub, jcore.ClosedJaxpr):
-            return _evaluate(sub.jaxpr, sub.consts, vals, mesh, batch_axis)
-        return _evaluate(sub, (), vals, mesh, batch_axis)
+            return _evaluate(sub.jaxpr, sub.consts, vals, mesh, batch_axis, ins)
+        return _evaluate(sub, (), vals, mesh, batch_axis, ins)
     if name in _REMAT and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr):
         body = eqn.params["jaxpr"]  # rematerialised as before, guarded inside
-        run = jax.checkpoint(lambda *a: _evaluate(body, (), a, mesh, batch_axis),
+        run = jax.checkpoint(lambda *a: _evaluate(body, (), a, mesh, batch_axis, ins),
                              prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
         with eqn.ctx.manager:
             return list(run(*vals))
     if name in ("scan", "while", "cond"):  # loop and branch bodies: ClosedJaxprs, replaced
         params = dict(eqn.params)
         for key, i, sub in sub_jaxprs(eqn):
-            guarded = _guarded_closed(sub, mesh, batch_axis)
+            guarded = _guarded_closed(sub, mesh, batch_axis, _body_origins(eqn, key, ins))
             if i is None:
                 params[key] = guarded
             else:
@@ -156,16 +216,23 @@ def _guarded_call(eqn, vals, mesh, batch_axis):
     return bind(eqn, vals)
 
 
-def guard_grouped_convs(fn, mesh, batch_axis="dp"):
+def guard_grouped_convs(fn, mesh, batch_axis="dp", plan=None):
     """``fn`` with every grouped convolution it traces run under ``shard_map`` on ``mesh``, so
     that its gradient is right under the partitioner (see the module docstring); ``fn``'s
-    arguments and results are pytrees of arrays. On one device, ``fn`` itself."""
+    arguments and results are pytrees of arrays. ``plan`` (a RewritePlan, rewrite_plan.py, of
+    ``fn``'s first argument, the parameters): where it splits a grouped kernel's output channels
+    by whole groups, the convolution runs on the split channels; without it, every kernel is
+    used whole. On one device, ``fn`` itself."""
     if mesh.size == 1:
         return fn
 
     def guarded(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args), mesh,
-                         batch_axis)
+        flat_args = jax.tree_util.tree_leaves(args)
+        origins = [None] * len(flat_args)
+        if plan is not None and plan.knows_placements:  # the parameters are the first leaves
+            params = leaves_with_paths(args[0])
+            origins[:len(params)] = weight_origins.of_weights(plan.leaf_splits(params))
+        outs = _evaluate(closed.jaxpr, closed.consts, flat_args, mesh, batch_axis, origins)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return guarded

@@ -7,7 +7,9 @@ from jax.sharding import PartitionSpec as P
 
 from .auto import auto_placements
 from .fsdp import fsdp_placements, ungrouped_storage
+from .grouped_axes import entries as spec_entries
 from .grouped_axes import named_sharding
+from .grouped_axes import parse as parse_grouped
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
 from .permuted import split_permutations
@@ -51,6 +53,22 @@ class ShardingPlan:
         check_spec_fits(spec, placement.shape, self.axis_sizes, placement.path)
         return Placement(placement.path, placement.shape, placement.dtype, spec, "user rule")
 
+    def splits_over_model_shards(self):
+        """Whether the step uses any parameter split over the model shards ('mp', or groups
+        of them); with one model shard, True (nothing to decide)."""
+        if self.axis_sizes.get("mp", 1) == 1:
+            return True
+        return any(parse_grouped(name)[0] == "mp" for pl in self.compute_placements
+                   for name in spec_entries(pl.spec))
+
+    def nothing_to_split(self):
+        """What to say of a plan that splits nothing over several model shards, else None."""
+        if self.splits_over_model_shards():
+            return None
+        n = self.axis_sizes["mp"]
+        return (f"the model has nothing to split over {n} model shards: every device repeats the "
+                "same work; use n_model_shards=1 or 'auto'")
+
     def same_placement(self, other):
         return [pl.spec for pl in self.placements] == [pl.spec for pl in other.placements]
 
@@ -85,7 +103,8 @@ class ShardingPlan:
         return format_rules(self.rules())
 
     def table(self):
-        return format_plan(self.placements, self.axis_sizes)
+        note = self.nothing_to_split()
+        return format_plan(self.placements, self.axis_sizes) + (f"\n{note}" if note else "")
 
 
 
