@@ -670,6 +670,47 @@ def two_tower(n_layers=2, seed=0):
     return Arch("two_tower", params, loss, batch, {4: exp, 2: exp})
 
 
+# ---- 16. speech (wav2vec2-style): a convolutional feature encoder, a grouped positional conv ----
+SAMPLES, FRAMES, CONV_C, POS_GROUPS = 4 * T, T, 24, 4
+
+
+def speech(n_layers=2, seed=0):
+    """wav2vec2's layout: raw audio through strided 1-D convolutions (a feature encoder), a
+    projection to the model width, a grouped convolution over time as the positional embedding
+    (added to the residual stream), post-LN transformer layers and a per-frame classifier."""
+    w = _Init(seed)
+    params = {"conv0": w(4, 1, CONV_C), "conv1": w(2, CONV_C, CONV_C), "fp_ln": w.ones(CONV_C),
+              "fp": w(CONV_C, H), "pos_conv": w(5, H // POS_GROUPS, H),
+              "layers": [{"wq": w(H, H), "wk": w(H, H), "wv": w(H, H), "wo": w(H, H), "ln1": w.ones(H),
+                          "up": w(H, F), "down": w(F, H), "ln2": w.ones(H)} for _ in range(n_layers)],
+              "head": w(H, V)}
+
+    def conv(x, k, stride=1, groups=1, padding="VALID"):
+        return jax.lax.conv_general_dilated(x, k, (stride,), padding, dimension_numbers=("NWC", "WIO", "NWC"),
+                                            feature_group_count=groups)
+
+    def loss(p, batch):
+        x = jax.nn.gelu(conv(batch["audio"][..., None], p["conv0"], stride=2, padding=((1, 1),)))
+        x = jax.nn.gelu(conv(x, p["conv1"], stride=2))  # (b, frames, CONV_C)
+        h = rms_norm(x, p["fp_ln"]) @ p["fp"]
+        h = h + jax.nn.gelu(conv(h, p["pos_conv"], groups=POS_GROUPS, padding="SAME"))
+        for lyr in p["layers"]:
+            h = rms_norm(h + merge(attend(heads(h @ lyr["wq"]), heads(h @ lyr["wk"]), heads(h @ lyr["wv"]),
+                                          causal=False)) @ lyr["wo"], lyr["ln1"])
+            h = rms_norm(h + jax.nn.gelu(h @ lyr["up"]) @ lyr["down"], lyr["ln2"])
+        return cross_entropy(h @ p["head"], batch["targets"])
+
+    rng = np.random.default_rng(seed)
+    batch = {"audio": rng.standard_normal((B, SAMPLES)).astype(np.float32), "targets": _tokens(seed)["targets"]}
+    # the feature encoder's two convolutions split Megatron-style over their channels; the
+    # positional conv writes the residual stream, so it stays whole (its gradient then needs the
+    # grouped-conv guard: tests/test_grouped_conv.py trains this model through the Trainer)
+    exp = {"conv0": P(None, None, "mp"), "conv1": P(None, "mp"), "fp": REP, "pos_conv": REP,
+           "layers/0/wq": COL, "layers/0/wk": COL, "layers/0/wv": COL, "layers/0/wo": ROW,
+           "layers/0/up": COL, "layers/0/down": ROW, "layers/0/ln1": REP, "head": COL}
+    return Arch("speech", params, loss, batch, {4: exp, 2: exp})
+
+
 ARCHITECTURES = {f.__name__: f for f in (plain_jax, flax_linen, flax_nnx, transposed, fused_qkv, gqa, mqa,
                                          moe, encoder_decoder, scan_stacked, gpt2, bert, lora,
-                                         block_sparse, gptj_rotary, two_tower)}
+                                         block_sparse, gptj_rotary, two_tower, speech)}

@@ -200,3 +200,19 @@ def test_a_channel_split_grouped_convolution_is_pinned_not_gathered_into_a_shard
     split = traced(P(None, None, "mp"))
     assert "shard_map" not in split and "sharding_constraint" in split and "'mp'" in split
     assert "shard_map" in traced(P())
+
+
+@pytest.mark.parametrize("n_model_shards", [4, pytest.param(2, marks=pytest.mark.slow)],
+                         ids=["2x4", "4x2"])
+def test_a_speech_encoder_with_a_grouped_positional_conv_trains_as_on_one_device(n_model_shards):
+    """wav2vec2's layout (tests/architectures.py's speech): strided convs split over their
+    channels, a grouped positional conv kept whole (guarded), transformer layers split."""
+    from architectures import speech
+    arch = speech()
+    examples = [{k: v[i] for k, v in arch.batch.items()} for i in range(len(arch.batch["audio"]))]
+    trainer = Trainer(Deployer(jax_seed=0, n_model_shards=n_model_shards, verbose=False),
+                      lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}, None,
+                      lambda rng, state, params, batch, is_training: arch.loss(params, batch),
+                      arch.params, optax.sgd(0.1))
+    report = trainer.check_layout(examples, len(examples) // (8 // n_model_shards), rtol=1e-5)
+    assert report.ok and "gradient of pos_conv" in dict(report.errors)

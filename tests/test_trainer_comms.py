@@ -158,3 +158,15 @@ def test_two_towers_each_move_megatrons_bytes():
     ideal = (megatron_ideal(per_device, T, H, n)["wire_bytes"]
              + megatron_ideal(per_device, PATCHES, H, n)["wire_bytes"])
     assert layer["mp"]["wire_bytes"] / ideal == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_a_speech_encoders_transformer_layers_move_megatrons_bytes():
+    """wav2vec2-style: the conv feature encoder and the grouped positional conv come once; each
+    transformer layer moves Megatron's bytes."""
+    from architectures import FRAMES, speech
+    n = 4
+    mesh = _trainer_step(speech, 2, n)[1]
+    layer = per_layer(lambda depth: _trainer_step(speech, depth, n)[0], mesh)
+    ideal = megatron_ideal(B // (jax.device_count() // n), FRAMES, H, n)
+    assert layer["mp"]["wire_bytes"] / ideal["wire_bytes"] == pytest.approx(1.0)
