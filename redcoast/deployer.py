@@ -25,15 +25,23 @@ class Deployer:
     every batch. With ``n_model_shards='auto'`` this mesh spreads the model over every device,
     and each Trainer chooses its own number at its first batch (``trainer.layout``); the
     deployer is never changed by what a Trainer chooses.
+
+    ``devices``: the devices to lay the mesh over (default ``jax.devices()``); a compile-only
+    target's, such as a TPU pod described by ``jax.experimental.topologies``, lets a Trainer
+    built from abstract parameters compile its step for hardware that is not here
+    (``redcoast plan --target``).
     """
 
     def __init__(self, jax_seed=0, n_model_shards=1, workdir=None, verbose=True,
                  run_tensorboard=False, wandb_init_kwargs=None, n_processes=None,
                  host0_address=None, host0_port=None, process_id=None, n_local_devices=None,
-                 memory_budget_bytes=None):
+                 memory_budget_bytes=None, devices=None):
         self.cluster = distributed.initialize(
             n_processes=n_processes, host0_address=host0_address, host0_port=host0_port,
             process_id=process_id, n_local_devices=n_local_devices)
+        # Every device of the run by default. A compile-only target's devices (a TPU pod's
+        # from jax.experimental.topologies, with no chips here) plan and compile, never run.
+        self.devices = list(jax.devices() if devices is None else devices)
         self.jax_seed = int(jax_seed)
         # absolute once, here: a later os.chdir (a notebook's %cd) must not move the run's files
         self.workdir = workdir = None if workdir is None else absolute(workdir)
@@ -46,11 +54,11 @@ class Deployer:
             # until then, and for what runs outside a Trainer, the model is spread over every
             # device: whatever the model, its placement then fits if anything does.
             self.n_model_shards_requested = "auto"
-            n_model_shards = jax.device_count()
+            n_model_shards = len(self.devices)
         else:
             self.n_model_shards_requested = n_model_shards
         self.memory_budget_bytes = memory_budget_bytes
-        self.mesh = make_mesh(n_model_shards)
+        self.mesh = make_mesh(n_model_shards, self.devices)
         self._rng = jax.random.PRNGKey(self.jax_seed)
         self.logger = RunLogger(workdir=workdir, verbose=verbose, run_tensorboard=run_tensorboard,
                                 wandb_init_kwargs=wandb_init_kwargs)
@@ -58,7 +66,7 @@ class Deployer:
         # close(), at the end of a `with Deployer(...)` block, or at the latest at exit
         self._close_logger = weakref.finalize(self, self.logger.close)
         self.log_info(
-            f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
+            f"{len(self.devices)} {self.platform} devices in {jax.process_count()} "
             f"process(es) ({distributed.describe(self.cluster)}); "
             f"mesh dp={self.n_data_shards} x mp={self.n_model_shards}"
             + (" (n_model_shards='auto': a Trainer chooses its own at the first batch)"
@@ -77,7 +85,7 @@ class Deployer:
 
     def model_shard_candidates(self):
         """Every valid n_model_shards on these devices, smallest first."""
-        n = jax.device_count()
+        n = len(self.devices)
         return [d for d in range(1, n + 1) if n % d == 0]
 
     def mesh_for(self, n_model_shards):
@@ -85,7 +93,7 @@ class Deployer:
         own mesh for its own number)."""
         if n_model_shards == self.n_model_shards:
             return self.mesh
-        return make_mesh(n_model_shards)
+        return make_mesh(n_model_shards, self.devices)
 
     def device_memory_budget(self):
         """Bytes one device may use: ``memory_budget_bytes`` if given, else the accelerator's
@@ -93,13 +101,18 @@ class Deployer:
         if self.memory_budget_bytes:
             return int(self.memory_budget_bytes)
         try:
-            stats = jax.local_devices()[0].memory_stats() or {}
+            stats = jax.local_devices(backend=self.platform)[0].memory_stats() or {}
         except Exception:  # noqa: BLE001 - some backends do not report
             stats = {}
         if stats.get("bytes_limit"):
             return int(stats["bytes_limit"])
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return host // jax.local_device_count()
+
+    @property
+    def platform(self):
+        """The run's devices' platform: 'cpu', 'gpu' or 'tpu'."""
+        return self.devices[0].platform
 
     @property
     def n_model_shards(self):

@@ -266,8 +266,8 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
                 out.append(c)
         return out
 
-    def shape_of(n):
-        return len(jax.devices()) // n
+    def shape_of(n):  # data shards with n model shards
+        return make_mesh(n).shape["dp"]
 
     if len(shard_counts) == 1:
         n = shard_counts[0]

@@ -3,8 +3,10 @@
 A run is planned without its hardware and without its weights: the model is built from its
 Hugging Face config.json alone (abstract parameters, nothing allocated), a Trainer chooses its
 layout as it would for the real run, and the training step is compiled for the target's number
-of devices, simulated on this machine's CPU (XLA:CPU's buffer assignment stands in for the
-target compiler's; the record says so). The per-device memory is split into what the layout
+of devices: by the target's own compiler where it runs here without the hardware (TPU v4
+through libtpu and ``jax.experimental.topologies``: ``--target tpu-v4``), else simulated on
+this machine's CPU (XLA:CPU's buffer assignment stands in for the target compiler's); the
+record says which. The per-device memory is split into what the layout
 holds (parameters, optimizer state, gradients) and the compiler's temporaries; the peak is the
 compiler's. When the step does not fit, the same is tried with each layer rematerialised, and
 what would fit is suggested.
@@ -27,6 +29,10 @@ import time
 SEQ2SEQ = ("t5", "bart")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class PlanError(ValueError):
+    """A plan asked for what cannot be planned here; the message says how to ask instead."""
 
 
 @dataclasses.dataclass
@@ -86,7 +92,7 @@ def parse_bytes(text):
     """'40GiB', '32 GB', '1e9' -> bytes."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (e.g. 40GiB, 32GB)")
+        raise PlanError(f"not a size: {text!r} (e.g. 40GiB, 32GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -115,8 +121,9 @@ def _loss_for(model, model_type):
 
 
 def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
-             optimizer, model_shards, remat):
-    """Compile the step once (in this process, on its ``devices`` CPU devices)."""
+             optimizer, model_shards, remat, target="cpu"):
+    """Compile the step once, in this process: on its ``devices`` CPU devices, or for the
+    compile-only devices of ``target``."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -131,8 +138,9 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     optimizers = {"adamw": optax.adamw(1e-5), "sgd": optax.sgd(1e-5),
                   "adafactor": optax.adafactor(1e-5)}
     shards = devices // hosts if model_shards is None else model_shards
+    target_devices, compiler = _target(target, devices, hosts)
     deployer = Deployer(jax_seed=0, n_model_shards=shards, verbose=False,
-                        memory_budget_bytes=device_memory)
+                        memory_budget_bytes=device_memory, devices=target_devices)
     trainer = Trainer(deployer, _no_examples, model.apply, _loss_for(model, model_type), abstract,
                       optimizers[optimizer], fsdp=True, fuse_matmuls=True)
     rows = per_device_batch_size * deployer.n_data_shards
@@ -168,9 +176,48 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     record.flops_per_device = float(cost.get("flops", 0.0))
     record.layout = (f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
                      f"{trainer.layout.name}")
-    record.compiler = (f"XLA:CPU on {devices} simulated devices (jax {jax.__version__}), standing "
-                       "in for the target's compiler")
+    record.compiler = compiler
     return record
+
+
+# TPU v4: 4 chips a host (2 x 2 x 1), one device per chip (megacore); slices by chip count
+_TPU_V4_BOUNDS = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
+                  128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
+                  2048: (8, 16, 16), 4096: (16, 16, 16)}
+TARGETS = ("cpu", "tpu-v4")
+
+
+def _target(target, devices, hosts):
+    """``(devices to compile for or None for this process's own, the compiler's description)``."""
+    import jax
+    if target == "cpu":
+        return None, (f"XLA:CPU on {devices} simulated devices (jax {jax.__version__}), standing "
+                      "in for the target's compiler")
+    if target != "tpu-v4":
+        raise PlanError(f"target {target!r}: use one of {TARGETS}")
+    if devices not in _TPU_V4_BOUNDS or devices // 4 != hosts:
+        raise PlanError(
+            f"--target tpu-v4 with {devices} devices on {hosts} host(s): a TPU v4 slice has 4 "
+            f"chips a host and one of {sorted(_TPU_V4_BOUNDS)} chips. Fix: --devices N "
+            f"--hosts N/4 with such an N (e.g. --devices 8 --hosts 2), or --target cpu.")
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        libtpu = version("libtpu")
+    except PackageNotFoundError:
+        raise PlanError(
+            "--target tpu-v4 compiles with the TPU compiler (libtpu), which is not installed. Fix: "
+            f"pip install 'jax[tpu]=={jax.__version__}' (on a machine without TPUs it only "
+            "compiles), or --target cpu (simulated CPU devices).") from None
+    from jax.experimental import topologies
+    bounds = _TPU_V4_BOUNDS[devices]
+    name = "v4:" + "x".join(map(str, bounds))
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no cloud metadata server to ask
+    topology = topologies.get_topology_desc(
+        topology_name=name, platform="tpu", chip_config_name="megacore",
+        chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False))
+    return list(topology.devices), (
+        f"the TPU compiler (libtpu {libtpu}, jax {jax.__version__}) for a {name} slice "
+        f"described by jax.experimental.topologies: {devices} TPU v4 chips, none of them here")
 
 
 def _hold_state(record, trainer):
@@ -211,23 +258,28 @@ def _suggest(record):
 
 
 def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_size=1,
-         param_dtype="float32", optimizer="adamw", model_shards=None, remat=None):
+         param_dtype="float32", optimizer="adamw", model_shards=None, remat=None, target="cpu"):
     """A :class:`PlanRecord` for training the model of ``config`` (a config.json or a folder)
     on ``devices`` devices of ``device_memory`` bytes (or a size like '40GiB'). ``model_shards``:
     default the devices of one host (tensor parallel within a host, FSDP across). ``remat``:
     None tries without, then with each layer rematerialised if the first does not fit.
+    ``target``: "cpu" compiles for simulated CPU devices, standing in for the target's
+    compiler; "tpu-v4" with the TPU compiler for a TPU v4 slice of ``devices`` chips (libtpu
+    installed; no TPU needed).
 
-    Runs in a fresh process when this one does not have ``devices`` devices."""
+    Runs in a fresh process when this one does not have ``devices`` devices (or targets TPU)."""
     device_memory = parse_bytes(device_memory) if isinstance(device_memory, str) else int(device_memory)
     import jax
-    if jax.device_count() != devices or jax.devices()[0].platform != "cpu":
-        return _in_subprocess(config, devices, hosts, device_memory, seq_len,
-                              per_device_batch_size, param_dtype, optimizer, model_shards, remat)
+    in_child = os.environ.get("REDCOAST_PLAN_CHILD") == "1"
+    if not in_child and (target != "cpu" or jax.device_count() != devices
+                         or jax.devices()[0].platform != "cpu"):
+        return _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
+                              param_dtype, optimizer, model_shards, remat, target)
     args = (config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
             optimizer, model_shards)
-    record = _attempt(*args, remat=bool(remat))
+    record = _attempt(*args, remat=bool(remat), target=target)
     if not record.fits and remat is None and record.compile_seconds:  # remat frees temporaries
-        retry = _attempt(*args, remat=True)
+        retry = _attempt(*args, remat=True, target=target)
         retry.tried = [("without remat", record.per_device_peak_bytes)]
         record = retry
     if not record.fits:
@@ -237,20 +289,24 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
 
 
 def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
-                   param_dtype, optimizer, model_shards, remat):
+                   param_dtype, optimizer, model_shards, remat, target):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         command = [sys.executable, "-m", "redcoast", "plan", str(config), "--devices", str(devices),
                    "--hosts", str(hosts), "--device-memory", str(device_memory), "--seq-len",
                    str(seq_len), "--per-device-batch-size", str(per_device_batch_size),
-                   "--param-dtype", param_dtype, "--optimizer", optimizer, "--json", out, "--quiet"]
+                   "--param-dtype", param_dtype, "--optimizer", optimizer, "--target", target,
+                   "--json", out, "--quiet"]
         if model_shards is not None:
             command += ["--model-shards", str(model_shards)]
         if remat is not None:
             command += ["--remat" if remat else "--no-remat"]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env["JAX_PLATFORMS"] = "cpu"
+        env["REDCOAST_PLAN_CHILD"] = "1"
         done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode == 2 and "Fix:" in done.stderr:  # the child's own error: said as it is
+            raise PlanError(done.stderr.strip().splitlines()[-1].split("error: ", 1)[-1])
         if done.returncode != 0:
             raise RuntimeError(f"redcoast plan failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         with open(out) as f:
@@ -274,18 +330,27 @@ def main(argv):
     parser.add_argument("--remat", action="store_true", default=None,
                         help="each layer rematerialised (default: tried if the step does not fit)")
     parser.add_argument("--no-remat", dest="remat", action="store_false")
+    parser.add_argument("--target", default="cpu", choices=TARGETS,
+                        help="whose compiler gives the memory: 'cpu' (default) simulated CPU "
+                        "devices standing in; 'tpu-v4' the TPU compiler for a v4 slice (needs "
+                        "libtpu: pip install 'jax[tpu]'; no TPU needed)")
     parser.add_argument("--json", help="also write the record here")
     parser.add_argument("--quiet", action="store_true", help="print nothing")
     args = parser.parse_args(argv)
     if args.devices % args.hosts:
         parser.error(f"--devices {args.devices} is not a multiple of --hosts {args.hosts}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from .simulate import simulate_cpu_devices
-    simulate_cpu_devices(args.devices)  # before JAX starts its backend
-    record = plan(args.config, devices=args.devices, hosts=args.hosts,
-                  device_memory=parse_bytes(args.device_memory), seq_len=args.seq_len,
-                  per_device_batch_size=args.per_device_batch_size, param_dtype=args.param_dtype,
-                  optimizer=args.optimizer, model_shards=args.model_shards, remat=args.remat)
+    if args.target == "cpu":
+        from .simulate import simulate_cpu_devices
+        simulate_cpu_devices(args.devices)  # before JAX starts its backend
+    try:
+        record = plan(args.config, devices=args.devices, hosts=args.hosts,
+                      device_memory=parse_bytes(args.device_memory), seq_len=args.seq_len,
+                      per_device_batch_size=args.per_device_batch_size,
+                      param_dtype=args.param_dtype, optimizer=args.optimizer,
+                      model_shards=args.model_shards, remat=args.remat, target=args.target)
+    except PlanError as e:
+        parser.error(str(e))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dataclasses.asdict(record), f, indent=1)

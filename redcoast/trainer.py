@@ -124,13 +124,19 @@ class Trainer:
             frozen_params = jax.jit(_copy_tree, out_shardings=shardings)(
                 jax.device_put(frozen_params, shardings))
         replicated = NamedSharding(mesh, P())
-        scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), replicated)
+        keys = deployer.gen_rng(), deployer.gen_rng()  # drawn alike either way: same streams
+        if self.is_abstract:  # counters and keys as shapes too: the devices may be compile-only
+            self._keys_to_place = keys  # by set_params
+            scalar = lambda v: jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)  # noqa: E731
+            keys = placed(keys, (replicated, replicated))
+        else:
+            scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), replicated)  # noqa: E731
+            keys = jax.device_put(keys, replicated)
         self._state = TrainState(step=scalar(0), params=params, opt_state=opt_state,
                                  nonfinite_step=scalar(-1), apply_fn=apply_fn, tx=optimizer,
                                  frozen_params=frozen_params)
         self._host_step = 0
-        self._train_rng = jax.device_put(deployer.gen_rng(), replicated)
-        self._eval_rng = jax.device_put(deployer.gen_rng(), replicated)
+        self._train_rng, self._eval_rng = keys
         self._best = {}
         self._first_epoch = 0  # fit's first epoch when no checkpoint is resumed (redco's last_ckpt_info)
         self.layout = build_layout(self.recipe, first, mesh, plan, self._state, final=False)
@@ -169,7 +175,7 @@ class Trainer:
         layout = choose_layout(
             self.recipe, self._state, self._train_rng, shard_counts, self._options["fsdp"],
             self._options["fuse_matmuls"], lambda mesh: _abstract(batch_for(mesh)),
-            deployer.mesh_for, deployer.device_memory_budget(), jax.devices()[0].platform)
+            deployer.mesh_for, deployer.device_memory_budget(), deployer.platform)
         self._adopt(layout)
         if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
             deployer.log_warning(f"sharding plan from {layout.source}")
@@ -191,19 +197,18 @@ class Trainer:
         old = self.layout
         self.layout = layout
         self._step_costs = {}
-        if self.is_abstract:  # the same conversions, on shapes; the counters stay arrays
+        if self.is_abstract:  # the same conversions, on shapes
             state = jax.eval_shape(old.stored.state_to_user, self._state)
-            shapes = shapes_of(layout.stored.state_to_storage, placed(state, layout.state_shardings),
-                               layout.state_shardings)
-            self._state = shapes.replace(
-                step=jax.device_put(self._state.step, layout.replicated),
-                nonfinite_step=jax.device_put(self._state.nonfinite_step, layout.replicated))
+            self._state = shapes_of(layout.stored.state_to_storage,
+                                    placed(state, layout.state_shardings), layout.state_shardings)
+            self._train_rng, self._eval_rng = placed((self._train_rng, self._eval_rng),
+                                                     (layout.replicated, layout.replicated))
         else:
             state = old.stored.state_to_user(self._state)
             self._state = layout.stored.state_to_storage(
                 jax.device_put(state, layout.state_shardings, donate=True))
-        self._train_rng = jax.device_put(self._train_rng, layout.replicated)
-        self._eval_rng = jax.device_put(self._eval_rng, layout.replicated)
+            self._train_rng = jax.device_put(self._train_rng, layout.replicated)
+            self._eval_rng = jax.device_put(self._eval_rng, layout.replicated)
 
     def _first_batch(self, examples, order, per_device_batch_size, mesh):
         """One micro-batch on ``mesh``, for tracing and measuring the step (from a
@@ -259,6 +264,13 @@ class Trainer:
             raise ConfigError("set_params was given parameters of another structure, shape or "
                               "dtype than trainer.params. Fix: pass a tree shaped like "
                               "trainer.params (build a new Trainer for another model).")
+        here = set(jax.devices())
+        if self.is_abstract and not all(d in here for d in self.layout.mesh.devices.flat):
+            raise ConfigError(
+                f"set_params cannot make this Trainer concrete: its devices "
+                f"({self.deployer.platform}, e.g. {self.layout.mesh.devices.flat[0]}) are a "
+                "compile-only target, not devices of this machine. Fix: plan and compile here; "
+                "build the Trainer for training on the machine that has those devices.")
         if self.is_abstract and self._state.frozen_params is not None \
                 and is_abstract(self._state.frozen_params):
             raise ConfigError("set_params cannot make this Trainer concrete: its frozen_params "
@@ -271,6 +283,11 @@ class Trainer:
         if reset_opt_state or self.is_abstract:  # an abstract optimizer state has nothing to keep
             state = state.replace(opt_state=jax.jit(
                 state.tx.init, out_shardings=self.layout.state_shardings.opt_state)(params))
+        if self.is_abstract:  # the counters and keys a Trainer built from these params starts with
+            replicated = self.layout.replicated
+            state = state.replace(step=jax.device_put(jnp.int32(0), replicated),
+                                  nonfinite_step=jax.device_put(jnp.int32(-1), replicated))
+            self._train_rng, self._eval_rng = jax.device_put(self._keys_to_place, replicated)
         self._state = state
         self.is_abstract = False
 
@@ -439,7 +456,7 @@ class Trainer:
         micro = batch if k == 1 else jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
         per_example = tokens_per_example(micro)
-        device = jax.devices()[0]
+        device = self.layout.mesh.devices.flat[0]
         compiled = self.layout.train_step.lower(self._state, batch, self._train_rng).compile()
         cost = StepCost(examples=examples,
                         tokens=None if per_example is None else per_example * examples,

@@ -64,3 +64,16 @@ def test_params_mixing_shapes_and_arrays_are_refused():
     params["lm_head"] = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), params["lm_head"])
     with pytest.raises(ConfigError, match="mix jax.ShapeDtypeStruct"):
         trainer(model, loss, params)
+
+
+def test_a_deployer_on_some_of_the_devices_trains_on_those_alone():
+    """``Deployer(devices=...)``: the mesh, the layout and the state keep to the devices given
+    (what ``redcoast plan --target`` gives a TPU slice's compile-only devices)."""
+    make, loss, _ = zoo.MODELS["gpt2"]
+    model = make(1)
+    some = jax.devices()[4:]
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, devices=some)
+    assert deployer.mesh.shape == {"dp": 2, "mp": 2} and deployer.model_shard_candidates() == [1, 2, 4]
+    t = Trainer(deployer, collate, model.apply, loss(model), model.init(0), optax.adamw(1e-3))
+    t.fit(examples(), 2, 1)
+    assert {d for x in jax.tree_util.tree_leaves(t.params) for d in x.devices()} == set(some)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from redcoast.plan import parse_bytes, plan
@@ -72,3 +73,58 @@ def test_a_table_1_row_through_the_cli(tmp_path):
     record = json.loads(out.read_text())
     assert record["fits"] and record["n_params"] > 4e8
     assert record["per_device_peak_bytes"] >= record["params_bytes"] + record["optimizer_bytes"]
+
+
+def _has_libtpu():
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return bool(version("libtpu"))
+    except PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason="libtpu is not installed (CI's step 2 installs it "
+                    "after the suite and runs this test)")
+def test_a_tpu_slice_is_planned_by_the_tpu_compiler_without_a_tpu(tiny_config):
+    """TPU v4, 2 hosts x 4 chips, through libtpu's topology description: the same layout and
+    state as the CPU stand-in's plan, the TPU compiler's own memory and FLOPs."""
+    tpu = plan(tiny_config, devices=8, hosts=2, device_memory="32GiB", seq_len=32, target="tpu-v4")
+    cpu = plan(tiny_config, devices=8, hosts=2, device_memory="32GiB", seq_len=32)
+    assert tpu.compiler.startswith("the TPU compiler (libtpu") and "v4:2x2x2" in tpu.compiler
+    assert tpu.layout == cpu.layout and tpu.layout.startswith("dp=2 x mp=4")
+    assert (tpu.params_bytes, tpu.optimizer_bytes) == (cpu.params_bytes, cpu.optimizer_bytes)
+    assert tpu.per_device_peak_bytes >= tpu.params_bytes + tpu.optimizer_bytes
+    assert tpu.fits and tpu.flops_per_device > 0 and tpu.compile_seconds > 0
+
+
+def test_a_target_that_cannot_be_planned_says_why_and_what_to_ask_instead(tiny_config):
+    from redcoast.plan import PlanError
+    # a TPU v4 host has 4 chips: 8 chips on 1 host is no TPU v4 slice
+    with pytest.raises(PlanError, match="4 chips a host"):
+        plan(tiny_config, devices=8, hosts=1, device_memory="32GiB", seq_len=32, target="tpu-v4")
+    if not _has_libtpu():
+        with pytest.raises(PlanError, match=r"pip install 'jax\[tpu\]=="):
+            plan(tiny_config, devices=8, hosts=2, device_memory="32GiB", seq_len=32,
+                 target="tpu-v4")
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason="libtpu is not installed (CI's step 2 installs it "
+                    "after the suite and runs this test)")
+def test_a_trainer_for_a_tpu_slice_compiles_but_will_not_hold_parameters_here():
+    import jax
+    import optax
+
+    from redcoast import ConfigError, Deployer, Trainer
+    from redcoast.models import model_from_config
+    from redcoast.plan import _target
+    devices, _ = _target("tpu-v4", 8, 2)
+    model, abstract = model_from_config(TINY)
+    deployer = Deployer(n_model_shards=4, verbose=False, memory_budget_bytes=2**30, devices=devices)
+    trainer = Trainer(deployer, lambda rows: rows, model.apply,
+                      lambda rng, state, params, batch, is_training: model.apply(params, batch["ids"]).mean(),
+                      abstract, optax.adamw(1e-3))
+    compiled = trainer.compile_train_step({"ids": jax.ShapeDtypeStruct((2, 16), "int32")})
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+    assert {d.platform for d in trainer.mesh.devices.flat} == {"tpu"}
+    with pytest.raises(ConfigError, match="compile-only target"):
+        trainer.set_params(jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), abstract))
