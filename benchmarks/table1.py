@@ -3,9 +3,12 @@ longest training length shown), planned with ``redcoast plan`` on this CPU-only 
 model from its config.json (benchmarks/configs, from the public model cards), the layout the
 Trainer chooses (tensor parallel within a host, FSDP across), the training step compiled for the
 server's device count on simulated devices, its per-device peak against the device's memory.
-Plus OPT-66B on 4 x A100 (should not fit) and Figure 3's OPT-2.7B on 4 x A100.
+Plus OPT-66B on 4 x A100 (should not fit) and Figure 3's OPT-2.7B on 4 x A100. The TPU rows
+are compiled by the TPU compiler itself (``--target tpu-v4``) where libtpu is installed
+(``pip install "jax[tpu]==<your jax>"``; no TPU needed), else on simulated CPU devices; the
+compiler column says which.
 
-    python benchmarks/table1.py [--rows NAME ...] [--param-dtype bfloat16]
+    python benchmarks/table1.py [--rows NAME ...] [--param-dtype bfloat16] [--cpu-only]
 """
 
 import argparse
@@ -33,7 +36,20 @@ ROWS = {
 }
 
 
-def plan_row(name, param_dtype):
+def has_libtpu():
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return bool(version("libtpu"))
+    except PackageNotFoundError:
+        return False
+
+
+def target_of(name, cpu_only):
+    """The TPU compiler for the TPU servers' rows where it is installed, else simulated CPUs."""
+    return "tpu-v4" if "TPU" in ROWS[name][5] and not cpu_only and has_libtpu() else "cpu"
+
+
+def plan_row(name, param_dtype, target):
     config, devices, hosts, memory, seq, _ = ROWS[name]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
@@ -43,7 +59,8 @@ def plan_row(name, param_dtype):
         done = subprocess.run(
             [sys.executable, "-m", "redcoast", "plan", os.path.join(CONFIGS, config + ".json"),
              "--devices", str(devices), "--hosts", str(hosts), "--device-memory", memory,
-             "--seq-len", str(seq), "--param-dtype", param_dtype, "--json", out, "--quiet"],
+             "--seq-len", str(seq), "--param-dtype", param_dtype, "--target", target,
+             "--json", out, "--quiet"],
             capture_output=True, text=True, env=env)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
@@ -56,24 +73,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="simulated CPU devices for every row, even where libtpu is installed")
     args = parser.parse_args()
     gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
     print(f"{'row':<19}{'server':<24}{'params':>8}{'seq':>6}  {'layout':<40}{'state/dev':>10}"
-          f"{'peak/dev':>9}{'memory':>8}  {'verdict':<13}{'remat':<6}{'compile':>8}{'wall':>7}{'host':>6}")
+          f"{'peak/dev':>9}{'memory':>8}  {'verdict':<13}{'remat':<6}{'compiler':<9}"
+          f"{'compile':>8}{'wall':>7}{'host':>6}")
     for name in args.rows:
-        r, seconds = plan_row(name, args.param_dtype)
+        target = target_of(name, args.cpu_only)
+        r, seconds = plan_row(name, args.param_dtype, target)
         state = r["params_bytes"] + r["optimizer_bytes"] + r["gradient_bytes"]
         layout = r["layout"].split(",")[0] + ("" if r["compile_seconds"] else " (not compiled)")
         print(f"{name:<19}{ROWS[name][5]:<24}{r['n_params'] / 1e9:>7.2f}B{r['seq_len']:>6}  "
               f"{layout:<40}{gib(state):>10}{gib(r['per_device_peak_bytes']):>9}"
               f"{gib(r['device_memory_bytes']):>8}  {'FITS' if r['fits'] else 'DOES NOT FIT':<13}"
-              f"{'yes' if r['remat'] else 'no':<6}{r['compile_seconds']:>7.0f}s{seconds:>6.0f}s"
+              f"{'yes' if r['remat'] else 'no':<6}{'TPU' if target != 'cpu' else 'XLA:CPU':<9}"
+              f"{r['compile_seconds']:>7.0f}s{seconds:>6.0f}s"
               f"{gib(r['host_memory_bytes']):>6}", flush=True)
         for s in r["suggestions"]:
             print(f"{'':<19}suggestion: {s}")
     print("GiB per device; state = parameters + optimizer state + gradients as the layout places "
-          "them; peak = XLA:CPU's memory analysis of the compiled step (arguments + outputs - "
-          "donated + temporaries); host = this machine's peak memory while planning the row.")
+          "them; peak = the compiler's memory analysis of the compiled step (arguments + "
+          "outputs - donated + temporaries): the TPU compiler's (libtpu) or XLA:CPU's standing "
+          "in; host = this machine's peak memory while planning the row.")
 
 
 if __name__ == "__main__":
