@@ -47,6 +47,34 @@ def _pid_alive(pid):
     return True
 
 
+def _process_started(pid):
+    """When process ``pid`` of this host started (seconds since the epoch), or None where
+    /proc does not say (not Linux, gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _holder_running(holder):
+    """Whether the run that wrote ``holder`` (a lock of this host) is still running: its pid
+    is alive and is the same process, not a later one given the pid again (a container's pids
+    restart at 1)."""
+    pid = int(holder.get("pid", -1))
+    if pid <= 0 or not _pid_alive(pid):
+        return False
+    started = _process_started(pid)
+    # a process that began after the lock was written is not its writer (2 s: clock ticks)
+    return started is None or started <= float(holder.get("started", 0)) + 2.0
+
+
+UNREADABLE_AFTER_S = 5.0  # an empty or garbled lock this old was left by a crash mid-write
+
+
 def _this_run():
     now = time.time()
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "alive": now}
@@ -91,36 +119,62 @@ class WorkdirLock:
     def _acquire_here(self):
         me = _this_run()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
+        for attempt in range(4):
             if self._create(me):
                 self._hold(me)
                 return
             holder = self._read()
-            if holder is None:  # vanished or half-written while we looked: try once more
+            if holder is None:  # vanished, being written, or left empty or garbled by a crash
+                if self._unreadable_for() > UNREADABLE_AFTER_S:
+                    self._warn(f"the workdir lock {self.path} is empty or unreadable and has not "
+                               f"changed for {UNREADABLE_AFTER_S:.0f} s (a crash while it was "
+                               "written?); taking it over.")
+                    self.path.unlink(missing_ok=True)
+                elif attempt < 3:
+                    time.sleep(0.5 * (attempt + 1))
                 continue
             if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
                 self._hold(me)  # this process already holds it (a second fit)
                 return
             silent = time.time() - float(holder.get("alive", holder.get("started", 0)))
             same_host = holder.get("host") == me["host"]
-            if same_host and not _pid_alive(int(holder.get("pid", -1))) or (
-                    not same_host and silent > STALE_AFTER_S):
-                why = ("which is no longer running (a crash?)" if same_host else
+            running = same_host and _holder_running(holder)
+            if same_host and not running or (not same_host and silent > STALE_AFTER_S):
+                why = ("which is no longer running (a crash? its pid is gone or now another "
+                       "process's)" if same_host else
                        f"which has shown no sign of life for {silent:.0f} s")
                 self._warn(f"the workdir lock {self.path} was left by process {holder.get('pid')} "
                            f"on {holder.get('host')}, {why}; taking it over.")
                 self.path.unlink(missing_ok=True)
                 continue
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+            if running:  # deleting the lock would let this run destroy the live one's files
+                fix = (f"wait for that run to end (or stop it: kill {holder.get('pid')}), or use "
+                       "another workdir. Do not delete the lock while that process runs: it may "
+                       "be writing a checkpoint.")
+            else:
+                fix = ("wait for that run to end or use another workdir; its lock is taken over "
+                       f"by itself after {STALE_AFTER_S:.0f} s without sign of life, or delete "
+                       f"{self.path} once you know that run has stopped.")
             raise CheckpointError(
                 f"The workdir {self.path.parent} is in use by another run (process "
                 f"{holder.get('pid')} on host {holder.get('host')}, started {started}, last sign "
                 f"of life {max(silent, 0):.0f} s ago); two runs writing the same checkpoints would "
-                "destroy each other's. Fix: wait for that run to end or use another workdir; a "
-                f"lock whose run is gone is taken over by itself (after {STALE_AFTER_S:.0f} s "
-                f"without sign of life if it was on another host), or delete {self.path}.")
-        raise CheckpointError(f"Could not take the workdir lock {self.path}. Fix: delete it if "
-                              "no run uses this workdir.")
+                f"destroy each other's. Fix: {fix}")
+        raise CheckpointError(
+            f"Could not take the workdir lock {self.path}: it changed as this run looked, or is "
+            "being written (another run starting in this workdir?). Fix: start one run at a time "
+            f"in a workdir; a lock left empty or unreadable by a crash is taken over once it has "
+            f"not changed for {UNREADABLE_AFTER_S:.0f} s.")
+
+    def _unreadable_for(self):
+        """Seconds since the lock file last changed (0 if it is gone or remote)."""
+        if is_url(self.path):
+            return 0.0
+        try:
+            return time.time() - os.path.getmtime(self.path)
+        except OSError:
+            return 0.0
 
     def _hold(self, me):
         """Hold the lock, refreshing its sign of life from a background thread."""

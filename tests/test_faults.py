@@ -99,9 +99,12 @@ def test_a_workdir_in_use_by_a_live_run_is_refused_and_a_stale_lock_taken_over(t
         lock = {"host": socket.gethostname(), "pid": holder.pid, "started": time.time()}
         (tmp_path / LOCK_NAME).write_text(json.dumps(lock))
         with pytest.raises(CheckpointError, match=rf"in use by another run \(process {holder.pid} "
-                                                  r"on host .*Fix: wait for that run"):
+                                                  r"on host .*Fix: wait for that run") as refused:
             linear_trainer(tmp_path).fit(examples(), 1, 1, save_last_ckpt=True)
         assert not (tmp_path / "checkpoints").exists()  # refused before any work
+        # the holder is alive here: deleting its lock would let a second run destroy its files
+        assert "Do not delete the lock while that process runs" in str(refused.value)
+        assert f"delete {tmp_path / LOCK_NAME}" not in str(refused.value)
     finally:
         holder.kill()
         holder.wait()
@@ -110,6 +113,39 @@ def test_a_workdir_in_use_by_a_live_run_is_refused_and_a_stale_lock_taken_over(t
     assert f"left by process {holder.pid}" in (tmp_path / "log.txt").read_text()
     assert not (tmp_path / LOCK_NAME).exists()  # released at the end
     assert os.listdir(tmp_path / "checkpoints" / "steps") == ["4"]
+
+
+def test_a_lock_whose_pid_now_names_another_process_is_taken_over(tmp_path):
+    """After a container restart the holder's pid may be a new, unrelated process."""
+    lock = {"host": socket.gethostname(), "started": time.time() - 3600}
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK_NAME).write_text(json.dumps({**lock, "pid": other.pid}))
+        log = []
+        taken = WorkdirLock(tmp_path, logger=None)
+        taken._warn = log.append
+        taken.acquire()
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert f"left by process {other.pid}" in log[0] and "now another process's" in log[0]
+        taken.release()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_an_empty_lock_left_by_a_crash_is_taken_over_and_a_fresh_one_waited_for(tmp_path):
+    path = tmp_path / LOCK_NAME
+    path.write_text("")
+    with pytest.raises(CheckpointError, match=r"is being written.*Fix: start one run at a time"):
+        WorkdirLock(tmp_path).acquire()  # fresh: perhaps another run is writing it right now
+    os.utime(path, (time.time() - 60, time.time() - 60))  # left there a minute ago
+    log = []
+    lock = WorkdirLock(tmp_path, logger=None)
+    lock._warn = log.append
+    lock.acquire()
+    assert "empty or unreadable" in log[0]
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
 
 
 def test_a_lock_from_another_host_is_refused_while_alive_and_taken_over_when_silent(tmp_path):
