@@ -96,14 +96,6 @@ def parse_bytes(text):
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _per_device_bytes(tree):
-    """Bytes one device holds of a tree of placed ``jax.ShapeDtypeStruct``s."""
-    import jax
-    import numpy as np
-    return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree_util.tree_leaves(tree)))
-
-
 def _loss_for(model, model_type):
     import optax
 
@@ -223,8 +215,9 @@ def _target(target, devices, hosts):
 def _hold_state(record, trainer):
     """The per-device bytes of the state the trainer's layout holds, into ``record``."""
     state = trainer.state
-    record.params_bytes = _per_device_bytes(state.params)
-    record.optimizer_bytes = _per_device_bytes(state.opt_state)
+    from .memory_check import per_device_bytes
+    record.params_bytes = per_device_bytes(state.params)
+    record.optimizer_bytes = per_device_bytes(state.opt_state)
     record.gradient_bytes = record.params_bytes  # reduced to the parameters' placement
 
 

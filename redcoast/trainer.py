@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from . import validate
 from .abstract import is_abstract, placed, shapes_of
+from .memory_check import StepMemory, require_fits
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
 from .fingerprint import check_fingerprint, fingerprint
@@ -386,6 +387,8 @@ class Trainer:
         position = start_position
         try:
             for batch in batches:
+                if position == start_position:
+                    self._require_step_fits(batch)
                 self._state, metrics = self.layout.train_step(self._state, batch, self._train_rng)
                 self._host_step += 1
                 position += 1
@@ -442,6 +445,19 @@ class Trainer:
         bar.set_postfix({k: v if isinstance(v, str) else f"{v:.4g}" for k, v in means.items()},
                         refresh=False)
         self.deployer.log_metrics({f"train_{k}": v for k, v in means.items()}, self._host_step)
+
+    def _require_step_fits(self, batch):
+        """Before a run's first step on an accelerator (or with ``memory_budget_bytes``): the
+        compiled step's peak against the device's memory, so that a step too big stops here
+        with its memory explained (memory_check.py). The step's own call reuses this compile."""
+        deployer = self.deployer
+        if deployer.platform == "cpu" and not deployer.memory_budget_bytes:
+            return  # simulated devices share the host's memory: no per-device limit to hold
+        compiled = self.layout.train_step.lower(self._state, batch, self._train_rng).compile()
+        source = ("Deployer(memory_budget_bytes=...)" if deployer.memory_budget_bytes else
+                  f"the {deployer.platform} device's memory limit")
+        require_fits(StepMemory.of(compiled, self._state), deployer.device_memory_budget(),
+                     f"layout {self.layout.name}", source)
 
     def _step_cost(self, batch):
         """What one update of batches shaped like ``batch`` processes and costs: read once per
