@@ -12,9 +12,12 @@ launcher exits non-zero, naming the process, how it ended, and its last lines of
 
 A watchdog also ends the launch, naming the process, when a process exits with status 0 while
 the others keep running for ``--exit-timeout`` seconds (an early exit the others would otherwise
-wait for, or later blame on a survivor), and when no process makes progress for
-``--stall-timeout`` seconds (a hang). Progress is a line of output or a touch of the file named by
-``REDCOAST_HEARTBEAT_FILE`` (:func:`heartbeat`). A ``--port`` already in use is reported before
+wait for, or later blame on a survivor), and when a process makes no progress for
+``--stall-timeout`` seconds (a hang; each process on its own, so a chatty one cannot hide a hung
+one). Progress is a line of output or a touch of the file named by ``REDCOAST_HEARTBEAT_FILE``
+(:func:`heartbeat`; redcoast's training, evaluation and prediction loops touch it every batch).
+A forwarded SIGINT or SIGTERM gives the processes ``--stop-timeout`` seconds to save and exit,
+then SIGKILL. A ``--port`` already in use, on any address of this machine, is reported before
 anything starts.
 """
 
@@ -84,24 +87,40 @@ def _parser():
     parser.add_argument("--local-devices", type=int, metavar="K",
                         help="devices per process: K simulated CPU devices on CPU; on GPUs, "
                              "process i drives GPUs i*K .. i*K+K-1")
-    parser.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    parser.add_argument("--port", type=_port, help="coordinator port (default: a free one)")
     parser.add_argument("--host0-address", default="127.0.0.1",
                         help="coordinator address (default 127.0.0.1)")
     parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
                         help="seconds the other processes get to exit after one fails, before "
                              "SIGKILL (default 5)")
     parser.add_argument("--stall-timeout", type=float, default=1800.0, metavar="S",
-                        help="end the launch when no process has printed a line or touched its "
-                             "heartbeat file for S seconds (default 1800; 0: never)")
+                        help="end the launch when a process has printed no line and touched "
+                             "no heartbeat for S seconds (redcoast's loops touch it every "
+                             "batch; default 1800; 0: never)")
     parser.add_argument("--exit-timeout", type=float, default=60.0, metavar="S",
                         help="end the launch when a process exited with status 0 and the others "
                              "are still running S seconds later (default 60)")
+    parser.add_argument("--stop-timeout", type=float, default=120.0, metavar="S",
+                        help="seconds the processes get to save and exit after a SIGINT or "
+                             "SIGTERM forwarded to them, before SIGKILL (default 120)")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
     return parser
 
 
 _TAKES_VALUE = {"-n", "--n-processes", "--local-devices", "--port", "--host0-address",
-                "--grace-period", "--stall-timeout", "--exit-timeout"}
+                "--grace-period", "--stall-timeout", "--exit-timeout", "--stop-timeout"}
+
+
+def _port(text):
+    """A TCP port number, or a usage error saying which."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 1-65535 (or leave "
+                                         "--port out for a free one)")
+    return port
 
 
 def parse_args(argv):
@@ -147,15 +166,22 @@ def heartbeat():
 
 
 def port_in_use(host, port):
-    """True if something on this machine already holds ``host:port`` (False if ``host`` is not
-    an address of this machine: then only the coordinator's host can tell)."""
+    """True if something on this machine already holds ``port`` where the coordinator would
+    listen: on ``host``, and on every address (it binds the wildcard), so a port taken on
+    another local address counts too. False if ``host`` is not an address of this machine:
+    then only the coordinator's host can tell."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1" if host == "localhost" else host, port))
-        except OSError as e:
-            return e.errno == errno.EADDRINUSE
+    host = "127.0.0.1" if host == "localhost" else host
+    for address in (host, "::" if family == socket.AF_INET6 else "0.0.0.0"):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((address, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+                if address == host:  # not an address of this machine
+                    return False
     return False
 
 
@@ -269,6 +295,7 @@ class Launcher:
         self.stop_started = None  # when the others were told to stop
         self.early_exit = None    # (index, time) of a process that exited 0 before the others
         self.progress = []        # per process: when it last printed or touched its heartbeat
+        self.signal_deadline = None  # SIGKILL then, after a forwarded SIGINT / SIGTERM
 
     def log(self, text):
         with _Output.lock:
@@ -277,7 +304,8 @@ class Launcher:
     def run(self):
         n, o = self.options.n_processes, self.options
         if o.port and port_in_use(o.host0_address, o.port):
-            self.log(f"port {o.port} on {o.host0_address} is already in use, so the coordinator "
+            self.log(f"port {o.port} on {o.host0_address} (or on another address of this "
+                     f"machine: the coordinator listens on all) is already in use, so the coordinator "
                      f"cannot listen there. Fix: choose another --port, or leave --port out to "
                      "use a free one.")
             return 2
@@ -320,6 +348,8 @@ class Launcher:
 
     def _on_signal(self, signum, frame):
         self.signals.append(signum)
+        if self.signal_deadline is None:  # a process that never reaches a step boundary
+            self.signal_deadline = time.monotonic() + self.options.stop_timeout
         if len(self.signals) >= 3:  # asked three times: stop now
             self._kill_all(signal.SIGKILL)
         else:
@@ -336,8 +366,6 @@ class Launcher:
     def _supervise(self):
         while True:
             codes = [p.poll() for p in self.procs]
-            if all(c is not None for c in codes):
-                return
             now = time.monotonic()
             for i, c in enumerate(codes):
                 if c == 0 and self.early_exit is None:
@@ -352,8 +380,15 @@ class Launcher:
                                        f"{describe_exit(c)} (a lost peer)")
                         self.fix = EARLY_EXIT_FIX
                     self._stop(f"process {i} {describe_exit(c)}")
+            if all(c is not None for c in codes):  # after this poll's exits are accounted for
+                return
             if self.failed is None and not self.signals:
                 self._watchdog(codes, now)
+            if self.signal_deadline is not None and now > self.signal_deadline:
+                self.log(f"processes still running {self.options.stop_timeout:g} s after the "
+                         "signal (--stop-timeout); killing them.")
+                self.signal_deadline = float("inf")
+                self._kill_all(signal.SIGKILL)
             if (self.stop_started is not None
                     and time.monotonic() - self.stop_started > self.options.grace_period):
                 self._kill_all(signal.SIGKILL)
@@ -385,8 +420,10 @@ class Launcher:
                 self.progress[i] = max(self.progress[i], now - age)
             except OSError:
                 pass
-        if now - max(self.progress) > o.stall_timeout:
-            i = min((k for k, c in enumerate(codes) if c is None), key=lambda k: self.progress[k])
+        running = [k for k, c in enumerate(codes) if c is None]
+        # each process on its own: one that prints (a monitoring thread) must not hide a hung one
+        i = min(running, key=lambda k: self.progress[k])
+        if now - self.progress[i] > o.stall_timeout:
             quiet = ", ".join(f"process {k} {now - t:.0f} s" for k, t in enumerate(self.progress))
             self.failed = (i, None)
             self.reason = (f"made no progress (no output, no heartbeat) for "
@@ -396,8 +433,7 @@ class Launcher:
                         f"{self.procs[i].pid}` while it hangs), or raise --stall-timeout if it was "
                         "only slow (long compilation prints nothing; redcoast.launch.heartbeat() "
                         "reports progress without output).")
-            self._stop(f"no process made progress for {o.stall_timeout:g} s; process {i} has "
-                       "been silent longest")
+            self._stop(f"process {i} made no progress for {o.stall_timeout:g} s")
 
     def _report(self):
         n = len(self.procs)
@@ -422,7 +458,9 @@ class Launcher:
         bad = [(i, p.returncode) for i, p in enumerate(self.procs) if p.returncode != 0]
         if bad:  # cannot happen without a failure above; kept for safety
             i, code = bad[0]
-            self.log(f"FAILED: process {i} {describe_exit(code)}.")
+            lines = "\n".join(f"  [{i}] {line}" for line in self.tails[i])
+            self.log(f"FAILED: process {i} {describe_exit(code)}. Its last lines of output:\n"
+                     f"{lines or '  (none)'}")
             return code if code > 0 else 128 - code
         return 0
 

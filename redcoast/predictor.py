@@ -9,6 +9,7 @@ from . import validate
 from .data import BatchMaker, is_sequence, padded_batches, prefetch
 from .errors import DataError
 from .host import to_host
+from .launch import heartbeat
 from .sharding.context import laid_out_for
 
 
@@ -80,6 +81,7 @@ class Predictor:
         results, in_flight = [], None
         for index, (batch, n_real) in enumerate(batches):
             out = step(params, batch, self._rng, jnp.int32(index))
+            heartbeat()  # redcoast launch's watchdog: this process makes progress
             _check_outputs(out, global_batch)  # shapes only: before waiting for any result
             if in_flight is not None:  # collect the previous batch while this one computes
                 results.extend(self._outputs(*in_flight, global_batch))

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from . import validate
 from .abstract import is_abstract, placed, shapes_of
+from .launch import heartbeat
 from .memory_check import StepMemory, require_fits
 from .checkpoint import CheckpointStore, key_from_json, key_to_json
 from .export import save_params
@@ -390,6 +391,7 @@ class Trainer:
                 if position == start_position:
                     self._require_step_fits(batch)
                 self._state, metrics = self.layout.train_step(self._state, batch, self._train_rng)
+                heartbeat()  # redcoast launch's watchdog: this process makes progress
                 self._host_step += 1
                 position += 1
                 pending.append(metrics)
@@ -503,6 +505,7 @@ class Trainer:
         totals, count = None, 0.0
         for batch, mask, idx, n_real in batches:
             sums, n, spread = self.layout.eval_step(self._state, batch, mask, self._eval_rng)
+            heartbeat()
             if self._eval_by is None:  # the first evaluation: is the loss defined per example?
                 self._eval_by = self._eval_mode(examples, idx, n_real, batch, sums, spread)
                 if self._eval_by == "batch":
@@ -539,6 +542,7 @@ class Trainer:
         for idx, n_real in padded_batches(len(examples), global_batch):
             batch = maker.make(examples, idx) if n_real == global_batch else None
             sums, n = self._batch_sums(examples, idx, n_real, batch)
+            heartbeat()
             totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
             count = count + n
         totals, count = to_host((totals, count))
