@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import DataError
+from .stream_fingerprint import RunningFingerprint
 from .sharding.paths import key_to_str, path_to_str
 
 
@@ -71,6 +72,8 @@ class Stream:
     without collating them (a resume's fast-forward); ``updates(per_update)`` yields lists of
     ``per_update`` examples until the iterable ends, leaving the last incomplete group's size in
     ``leftover`` (those examples are not trained on, as the last incomplete batch of a sequence).
+    ``fingerprint(n)``: of the first ``n`` examples given or skipped, at the end of a skip or an
+    update (stream_fingerprint.py), for a checkpoint to record and a resume to compare.
     """
 
     def __init__(self, iterable):
@@ -78,11 +81,15 @@ class Stream:
         self._iterator = iter(iterable)
         self._head = []  # read by peek, not handed out yet
         self.leftover = 0
+        self._given = RunningFingerprint()
 
     def _next(self):
-        if self._head:
-            return self._head.pop(0)
-        return next(self._iterator)
+        example = self._head.pop(0) if self._head else next(self._iterator)
+        self._given.feed(example)
+        return example
+
+    def fingerprint(self, n):
+        return self._given.at(n)
 
     def peek(self, n):
         while len(self._head) < n:
@@ -94,13 +101,13 @@ class Stream:
 
     def skip(self, n):
         """Drop the next ``n`` examples; returns how many there were (fewer if the stream ended)."""
-        dropped = min(n, len(self._head))
-        del self._head[:dropped]
-        for dropped in range(dropped, n):
+        for dropped in range(n):
             try:
-                next(self._iterator)
+                self._next()
             except StopIteration:
+                self._given.mark()
                 return dropped
+        self._given.mark()
         return n
 
     def updates(self, per_update):
@@ -112,6 +119,7 @@ class Stream:
             except StopIteration:
                 self.leftover = len(group)
                 return
+            self._given.mark()
             yield group
 
 

@@ -329,7 +329,7 @@ class Trainer:
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
               log_every_n_steps=10, start_position=0, after_step=None, start_example=None,
-              check_layout=False):
+              check_layout=False, start_fingerprint=None):
         """One pass over ``examples`` from update ``start_position`` of the epoch on: a sequence
         is shuffled from the seed and ``epoch``; any other iterable (a generator, a
         ``datasets.IterableDataset``, a :class:`~redcoast.data.Stream`) is read in order until it
@@ -344,6 +344,8 @@ class Trainer:
         Returns the position reached.
         ``check_layout=True``: the layout is checked against one device on the first batch
         before the first update this trainer runs (:meth:`check_layout`).
+        ``start_fingerprint``: a stream's skipped examples must have it (a checkpoint's
+        ``stream_fingerprint``), else a :class:`DataError`.
         """
         validate.positive_int("log_every_n_steps", log_every_n_steps)
         self._require_concrete("train")
@@ -368,6 +370,15 @@ class Trainer:
         else:
             examples, order, n_steps = stream, None, None  # its length is unknown until it ends
             skipped = stream.skip(skip)
+            if skipped == skip and start_fingerprint is not None \
+                    and stream.fingerprint(skip) != start_fingerprint:
+                raise DataError(
+                    f"train_examples gives other examples than the interrupted run read: the "
+                    f"first {skip} examples of epoch {epoch + 1}, which the checkpoint says were "
+                    "trained on, are not those (their fingerprint differs), so skipping them "
+                    "would leave examples untrained and train others twice. Fix: give the same "
+                    "examples in the same order on resume (a function of the epoch or a "
+                    "re-iterable that starts the epoch afresh), or resume=False to start afresh.")
             if skipped < skip:
                 raise DataError(
                     f"train_examples ended after {skipped} examples of epoch {epoch + 1}, but "
@@ -620,11 +631,13 @@ class Trainer:
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
             self._saved_part(self._state), self._saved_part(self.layout.state_shardings))
 
-    def save_checkpoint(self, store, epoch, position, config=None, examples_consumed=None):
+    def save_checkpoint(self, store, epoch, position, config=None, examples_consumed=None,
+                        stream_fingerprint=None):
         """Start saving the full training state to ``store`` (a :class:`CheckpointStore`);
         ``(epoch, position, examples_consumed)``: where a run resumed from it starts: ``position``
         updates and ``examples_consumed`` examples (in the epoch's order) into ``epoch``. Left
-        None, ``examples_consumed`` is ``position`` updates of ``config``'s size where it has one."""
+        None, ``examples_consumed`` is ``position`` updates of ``config``'s size where it has one.
+        ``stream_fingerprint``: of a stream's consumed examples, for the resume to compare."""
         self._check_finite()
         if examples_consumed is None and (position == 0 or _per_update(config) is not None):
             examples_consumed = position * (_per_update(config) or 0)
@@ -634,6 +647,8 @@ class Trainer:
                 "best": dict(self._best), "config": config or {}}
         if examples_consumed is not None:  # what a resume skips, whatever its batch size
             meta["examples_consumed"] = int(examples_consumed)
+        if stream_fingerprint is not None:  # and what those examples were
+            meta["stream_fingerprint"] = stream_fingerprint
         meta["frozen_params"] = fingerprint(self._state.frozen_params)  # which base adapters need
         store.save(self._host_step, self._saved_part(self.state), meta)  # in the user's layout
         return meta
@@ -739,12 +754,14 @@ class Trainer:
         try:  # from here on, whatever happens, the store is closed and the lock released
             # where this run starts: an epoch, updates and examples (in the epoch's order) into it
             start_epoch, start_position, start_example = self._first_epoch, 0, 0
+            resumed_fingerprint = None  # of a stream's examples the checkpoint's run consumed
             saved = []  # (step, epoch, position, directory) of the newest checkpoint on disk
             if resume and store is not None and store.steps():
                 meta = self.restore_checkpoint(store)
                 if meta is not None:
                     start_epoch, start_position = meta["epoch"], meta["position"]
                     start_example = self._examples_consumed(meta, per_update)
+                    resumed_fingerprint = meta.get("stream_fingerprint")
                     saved.append((meta["step"], start_epoch, start_position, store.directory))
                     self._best.update(self._best_on_disk(workdir))
                     self._warn_if_config_changed(meta.get("config", {}), config)
@@ -772,9 +789,14 @@ class Trainer:
             if eval_examples is not None and eval_loss:
                 self._check_eval_loss(eval_examples)  # now, not after the first epoch has trained
 
+            def stream_fingerprint(n):  # of the epoch's first n examples, when it streams
+                stream = begun.get("stream")
+                return None if stream is None or not n else stream.fingerprint(n)
+
             def save(epoch, position, consumed):
                 if store is not None:
-                    self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
+                    self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed,
+                                         stream_fingerprint=stream_fingerprint(consumed))
                     saved[:] = [(self._host_step, epoch, position, store.directory)]
 
             multi_process = jax.process_count() > 1
@@ -827,6 +849,7 @@ class Trainer:
                         break
                     train_examples = examples_of(epoch)
                     streamed = isinstance(train_examples, Stream)  # a function may change kind
+                    begun["stream"] = train_examples if streamed else None
                     position = begun["position"]
                     if streamed:
                         n_steps = None
@@ -842,12 +865,14 @@ class Trainer:
                                               log_every_n_steps=log_every_n_steps,
                                               start_position=position, after_step=after_step,
                                               start_example=begun["example"],
-                                              check_layout=check_layout)
+                                              check_layout=check_layout,
+                                              start_fingerprint=(resumed_fingerprint
+                                                                 if resumed_epoch else None))
                     # a stream's end is known only once read: stopped early, it may hold more
                     finished = not stopped or position == n_steps
                     if not finished and stopped[0] == "signal":
                         self._stop_for_preemption(store, guard, epoch, position, consumed(position),
-                                                  config)
+                                                  config, stream_fingerprint(consumed(position)))
                     last = ((stopped and stopped[0] == "max_steps") or
                             (n_epochs is not None and epoch + 1 == n_epochs))
                     if finished:
@@ -900,9 +925,11 @@ class Trainer:
         return CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
                                logger=self.deployer.logger)
 
-    def _stop_for_preemption(self, store, guard, epoch, position, consumed, config):
+    def _stop_for_preemption(self, store, guard, epoch, position, consumed, config,
+                             stream_fingerprint=None):
         if store is not None:
-            self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed)
+            self.save_checkpoint(store, epoch, position, config, examples_consumed=consumed,
+                                 stream_fingerprint=stream_fingerprint)
             store.wait()
             where = f"saved a checkpoint at step {self._host_step} in {store.directory}"
             self.deployer.log_info(f"stopped by {guard.signal_name or 'a signal on another process'}"

@@ -178,6 +178,19 @@ def test_a_stream_shorter_than_what_the_checkpoint_consumed_is_an_error(tmp_path
         fit(iter(examples(20)), tmp_path)
 
 
+def test_a_stream_that_gives_other_examples_after_a_restart_is_refused(tmp_path):
+    """The checkpoint keeps a fingerprint of the examples it consumed: a resumed stream must give
+    those first (a generator that went on where it was, or another shuffle, would skip others)."""
+    fit(iter(examples()), tmp_path, max_steps=3, save_last_ckpt=True)
+    shifted = examples(40)[4:]  # same kind and count, other examples
+    with pytest.raises(DataError, match=r"other examples than the interrupted run read: the first "
+                                        r"24 examples of epoch 1.*Fix: give the same examples"):
+        fit(iter(shifted), tmp_path)
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "steps")) == ["3"]  # nothing lost
+    resumed = fit(iter(examples()), tmp_path)  # the same examples: resumes
+    assert resumed.step == 4
+
+
 # -- max_steps -----------------------------------------------------------------------------------------
 
 def test_max_steps_stops_across_epochs_then_evaluates_and_saves(tmp_path):
