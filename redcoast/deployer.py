@@ -14,7 +14,7 @@ from .logs import RunLogger
 from .schedules import make_lr_schedule, n_updates_per_epoch
 from .sharding import ShardingPlan
 from .sharding.dataflow import traced_placements
-from .workdir import absolute
+from .workdir import WorkdirLock, absolute
 
 
 class Deployer:
@@ -60,6 +60,8 @@ class Deployer:
         self.memory_budget_bytes = memory_budget_bytes
         self.mesh = make_mesh(n_model_shards, self.devices)
         self._rng = jax.random.PRNGKey(self.jax_seed)
+        if workdir is not None:  # before a line goes into another live run's logs
+            WorkdirLock(workdir).refuse_if_in_use()
         self.logger = RunLogger(workdir=workdir, verbose=verbose, run_tensorboard=run_tensorboard,
                                 wandb_init_kwargs=wandb_init_kwargs)
         # the log files and TensorBoard writer are closed (their last records written) by

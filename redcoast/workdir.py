@@ -136,36 +136,60 @@ class WorkdirLock:
             if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
                 self._hold(me)  # this process already holds it (a second fit)
                 return
-            silent = time.time() - float(holder.get("alive", holder.get("started", 0)))
-            same_host = holder.get("host") == me["host"]
-            running = same_host and _holder_running(holder)
-            if same_host and not running or (not same_host and silent > STALE_AFTER_S):
-                why = ("which is no longer running (a crash? its pid is gone or now another "
-                       "process's)" if same_host else
-                       f"which has shown no sign of life for {silent:.0f} s")
-                self._warn(f"the workdir lock {self.path} was left by process {holder.get('pid')} "
-                           f"on {holder.get('host')}, {why}; taking it over.")
-                self.path.unlink(missing_ok=True)
-                continue
-            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-            if running:  # deleting the lock would let this run destroy the live one's files
-                fix = (f"wait for that run to end (or stop it: kill {holder.get('pid')}), or use "
-                       "another workdir. Do not delete the lock while that process runs: it may "
-                       "be writing a checkpoint.")
-            else:
-                fix = ("wait for that run to end or use another workdir; its lock is taken over "
-                       f"by itself after {STALE_AFTER_S:.0f} s without sign of life, or delete "
-                       f"{self.path} once you know that run has stopped.")
-            raise CheckpointError(
-                f"The workdir {self.path.parent} is in use by another run (process "
-                f"{holder.get('pid')} on host {holder.get('host')}, started {started}, last sign "
-                f"of life {max(silent, 0):.0f} s ago); two runs writing the same checkpoints would "
-                f"destroy each other's. Fix: {fix}")
+            refusal, why_stale = self._judge(holder, me)
+            if refusal is not None:
+                raise refusal
+            self._warn(f"the workdir lock {self.path} was left by process {holder.get('pid')} "
+                       f"on {holder.get('host')}, {why_stale}; taking it over.")
+            self.path.unlink(missing_ok=True)
         raise CheckpointError(
             f"Could not take the workdir lock {self.path}: it changed as this run looked, or is "
             "being written (another run starting in this workdir?). Fix: start one run at a time "
             f"in a workdir; a lock left empty or unreadable by a crash is taken over once it has "
             f"not changed for {UNREADABLE_AFTER_S:.0f} s.")
+
+    def _judge(self, holder, me):
+        """``(the error refusing this run, None)`` while ``holder``'s run is alive, else
+        ``(None, why its lock is stale)``."""
+        silent = time.time() - float(holder.get("alive", holder.get("started", 0)))
+        same_host = holder.get("host") == me["host"]
+        running = same_host and _holder_running(holder)
+        if same_host and not running:
+            return None, ("which is no longer running (a crash? its pid is gone or now another "
+                          "process's)")
+        if not same_host and silent > STALE_AFTER_S:
+            return None, f"which has shown no sign of life for {silent:.0f} s"
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+        if running:  # deleting the lock would let this run destroy the live one's files
+            fix = (f"wait for that run to end (or stop it: kill {holder.get('pid')}), or use "
+                   "another workdir. Do not delete the lock while that process runs: it may "
+                   "be writing a checkpoint.")
+        else:
+            fix = ("wait for that run to end or use another workdir; its lock is taken over "
+                   f"by itself after {STALE_AFTER_S:.0f} s without sign of life, or delete "
+                   f"{self.path} once you know that run has stopped.")
+        return CheckpointError(
+            f"The workdir {self.path.parent} is in use by another run (process "
+            f"{holder.get('pid')} on host {holder.get('host')}, started {started}, last sign "
+            f"of life {max(silent, 0):.0f} s ago); two runs writing the same checkpoints and "
+            f"logs would destroy each other's. Fix: {fix}"), None
+
+    def refuse_if_in_use(self):
+        """Raise, on every process, if another live run holds the lock; nothing is taken or
+        written (a Deployer asks before it opens the run's logs in the workdir)."""
+        import jax
+        error = None
+        if jax.process_index() == 0:
+            holder = self._read()
+            me = _this_run()
+            if holder is not None and not (holder.get("host") == me["host"]
+                                           and holder.get("pid") == me["pid"]):
+                error = self._judge(holder, me)[0]
+        if jax.process_count() > 1 and agree(error is not None) and error is None:
+            raise CheckpointError(f"Process 0 found the workdir {self.path.parent} in use by "
+                                  "another run. Fix: see process 0's error.")
+        if error is not None:
+            raise error
 
     def _unreadable_for(self):
         """Seconds since the lock file last changed (0 if it is gone or remote)."""

@@ -99,10 +99,14 @@ def test_a_workdir_in_use_by_a_live_run_is_refused_and_a_stale_lock_taken_over(t
     try:
         lock = {"host": socket.gethostname(), "pid": holder.pid, "started": time.time()}
         (tmp_path / LOCK_NAME).write_text(json.dumps(lock))
+        (tmp_path / "log.txt").write_text("the holder's log\n")
         with pytest.raises(CheckpointError, match=rf"in use by another run \(process {holder.pid} "
                                                   r"on host .*Fix: wait for that run") as refused:
             linear_trainer(tmp_path).fit(examples(), 1, 1, save_last_ckpt=True)
         assert not (tmp_path / "checkpoints").exists()  # refused before any work
+        # refused by the Deployer, before a line of this run went into the holder's log
+        assert (tmp_path / "log.txt").read_text() == "the holder's log\n"
+        assert not (tmp_path / "metrics.jsonl").exists()
         # the holder is alive here: deleting its lock would let a second run destroy its files
         assert "Do not delete the lock while that process runs" in str(refused.value)
         assert f"delete {tmp_path / LOCK_NAME}" not in str(refused.value)
