@@ -190,7 +190,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
                             out_shardings=(replicated, replicated, state_shardings.params))
     else:  # the user's own step differentiates itself: its grouped convolutions (forward and
         # backward) are guarded as they come (sharding/grouped_conv.py)
-        step_fn = guard_grouped_convs(recipe.train_step_fn, mesh)
+        step_fn = guard_grouped_convs(_returning_state_and_metrics(recipe.train_step_fn), mesh)
     batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, "dp"))
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
@@ -204,6 +204,27 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
                   train_step, eval_step, *batch_eval_steps, source=source, final=final,
                   stored=stored_layout(plan.permutations, state_shardings), rewrite=rewrite,
                   grad_step=grad_step)
+
+
+def _returning_state_and_metrics(train_step_fn):
+    """The user's ``train_step_fn``, refused at its first trace unless it returns ``(new_state,
+    metrics)`` with the new state shaped as the state it was given."""
+    def step(state, batch, rng):
+        out = train_step_fn(state, batch, rng)
+        given = jax.tree_util.tree_structure(state)
+        if not (isinstance(out, tuple) and len(out) == 2
+                and jax.tree_util.tree_structure(out[0]) == given):
+            what = (f"a {type(out).__name__}" if not isinstance(out, tuple) else
+                    f"a tuple of {len(out)}" if len(out) != 2 else
+                    f"(x, metrics) with x a {type(out[0]).__name__} not shaped as the state")
+            if jax.tree_util.tree_structure(out) == given:
+                what = "the new state alone"
+            raise ConfigError(
+                f"train_step_fn returned {what}; it must return (new_state, metrics), the new "
+                "state a TrainState like the one it was given and metrics a dict of scalars. "
+                "Fix: end it with `return state.apply_gradients(grads=grads), {'loss': loss}`.")
+        return out
+    return step
 
 
 def lower_train_step(layout, state, abstract_micro_batch, accumulate_grad_batches, rng):

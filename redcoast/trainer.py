@@ -725,6 +725,16 @@ class Trainer:
                 f"read once, but n_epochs={n_epochs}. Fix: pass a function returning a fresh "
                 "iterator each epoch (e.g. `lambda epoch: my_generator(epoch)`), a re-iterable "
                 "(a list, a datasets.IterableDataset), or n_epochs=1.")
+        if one_shot and not first.endless and (n_epochs is None or n_epochs > 1):
+            # read once, so its one pass is the run's last epoch: saved and evaluated as such,
+            # not an error at the start of a second epoch after the first went unsaved
+            self.deployer.log_warning(
+                f"train_examples is an iterator ({type(train_examples).__name__}), which can be "
+                f"read once: this run trains one pass over it (n_epochs={n_epochs} and "
+                f"max_steps={max_steps} notwithstanding), stopping where it ends or at max_steps. "
+                "Fix, for more: pass a function returning a fresh iterator each epoch (e.g. "
+                "`lambda epoch: my_generator(epoch)`) or a re-iterable.")
+            n_epochs = self._first_epoch + 1
         order = None if streamed else epoch_order(len(first), self.deployer.jax_seed, 0, shuffle)
         # the layout first: checkpoints are restored straight into it
         self._settle_layout(lambda mesh: self._first_batch(first, order, per_device_batch_size, mesh))

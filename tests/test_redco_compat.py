@@ -223,6 +223,24 @@ def test_redco_train_step_fn_trains_like_the_builtin_step():
                 train_step_fn=lambda state, batch: (state, {}))
 
 
+@pytest.mark.parametrize("returns, what", [
+    (lambda new, metrics: new, "the new state alone"),
+    (lambda new, metrics: (new, metrics, 0), "a tuple of 3"),
+    (lambda new, metrics: (new.params, metrics), "not shaped as the state")])
+def test_a_train_step_fn_returning_other_than_state_and_metrics_is_named(returns, what):
+    def step(state, batch, rng):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(
+            rng=rng, state=state, params=p, batch=batch, is_training=True))(state.params)
+        return returns(state.apply_gradients(grads=grads), {"loss": loss})
+
+    deployer = Deployer(jax_seed=0, verbose=False)
+    trainer = Trainer(deployer, collate_fn, None, loss_fn, {"w": jnp.zeros(D)}, optax.sgd(0.1),
+                      train_step_fn=step)
+    with pytest.raises(ConfigError, match=rf"train_step_fn returned .*{what}.*Fix: end it with"):
+        trainer.train(EXAMPLES, per_device_batch_size=1, shuffle=False)
+    assert trainer.step == 0
+
+
 def test_frozen_optimizer_labels_and_set_train_state_and_predictor():
     deployer = Deployer(jax_seed=0, verbose=False)
     params = {"model": {"w": jnp.zeros(D)}, "lora": {"w": jnp.zeros(D)}}

@@ -191,6 +191,15 @@ def test_a_stream_that_gives_other_examples_after_a_restart_is_refused(tmp_path)
     assert resumed.step == 4
 
 
+def test_an_iterator_with_max_steps_beyond_its_end_trains_one_pass_and_saves_it(tmp_path):
+    """Read once, its pass is the last epoch: saved as such, not an error at a second epoch."""
+    trainer = fit(iter(examples()), tmp_path, n_epochs=None, max_steps=10, save_last_ckpt=True)
+    assert trainer.step == 4  # 36 examples: 4 updates of 8
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "steps")) == ["4"]
+    assert "can be read once: this run trains one pass over it" in (tmp_path / "log.txt").read_text()
+    assert_bitwise(trainer.params, fit(examples()).params)
+
+
 # -- max_steps -----------------------------------------------------------------------------------------
 
 def test_max_steps_stops_across_epochs_then_evaluates_and_saves(tmp_path):
