@@ -318,6 +318,30 @@ def test_a_failed_process_stops_the_run(tmp_path, how):
     print(f"launcher exit {took:.2f} s after the failure ({how})")
 
 
+def until_both_ready(proc):
+    ready = 0
+    for line in proc.stdout:
+        ready += "ready" in line
+        if ready == 2:
+            return
+
+
+def test_launch_kills_a_process_ignoring_a_forwarded_sigterm_after_the_stop_timeout(tmp_path):
+    (tmp_path / "stubborn.py").write_text(textwrap.dedent("""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # never reaches a step boundary
+        print("ready", flush=True)
+        time.sleep(120)
+    """))
+    proc = launch(["-n", "2", "--stop-timeout", "2", "stubborn.py"], tmp_path)
+    until_both_ready(proc)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert time.monotonic() - start < 20 and proc.returncode == 128 + signal.SIGTERM, out
+    assert "still running 2 s after the signal (--stop-timeout); killing them" in out
+
+
 def test_launch_forwards_sigint(tmp_path):
     (tmp_path / "wait.py").write_text(textwrap.dedent("""
         import sys, time
@@ -329,11 +353,7 @@ def test_launch_forwards_sigint(tmp_path):
             sys.exit(130)
     """))
     proc = launch(["-n", "2", "wait.py"], tmp_path)
-    ready = 0
-    for line in proc.stdout:
-        ready += "ready" in line
-        if ready == 2:
-            break
+    until_both_ready(proc)
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=30)[0]
