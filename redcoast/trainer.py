@@ -589,7 +589,9 @@ class Trainer:
         ``loss_fn`` as written on one device of this process (the model must fit it). Returns a
         :class:`~redcoast.layout_check.LayoutCheck` naming the worst leaf; raises
         :class:`~redcoast.layout_check.LayoutCheckError` where an error is above ``rtol``
-        (default 1e-4 in float32 compute, 5e-2 in 16-bit). Nothing is trained."""
+        (default 1e-4 in float32 compute, 5e-2 in 16-bit), or above 10x the change one rounding
+        of the parameters makes to the one-device gradients where that is more. Nothing is
+        trained."""
         self._require_concrete("check its layout against one device")
         if not is_sequence(examples):
             raise ConfigError(f"check_layout takes a sequence of examples (a list, a Dataset), "
