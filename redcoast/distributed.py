@@ -37,6 +37,10 @@ ENV_HOST0_ADDRESS = "REDCOAST_HOST0_ADDRESS"
 ENV_HOST0_PORT = "REDCOAST_HOST0_PORT"
 ENV_N_LOCAL_DEVICES = "REDCOAST_N_LOCAL_DEVICES"
 ENV_LOCAL_PROCESS_ID = "REDCOAST_LOCAL_PROCESS_ID"
+# A file this process creates when its script has returned (or called sys.exit(0)), before JAX's
+# exit handler waits at the shutdown barrier for the others: how the launcher tells a process
+# that left early from one still working.
+ENV_RETURNED_FILE = "REDCOAST_RETURNED_FILE"
 # Seconds: to wait for every process to join, without a heartbeat before a process counts as
 # dead, and at exit for the others to finish (JAX's defaults are 300, 100 and 300).
 ENV_INIT_TIMEOUT = "REDCOAST_INIT_TIMEOUT"
@@ -377,12 +381,15 @@ _exit_hook_installed = False
 
 
 def _exit_at_once_on_error():
-    """An uncaught error ends this process right after its traceback is printed.
+    """An uncaught error ends this process right after its traceback is printed; a clean end
+    says so in ``REDCOAST_RETURNED_FILE`` (under ``redcoast launch``).
 
     Otherwise JAX's exit handler waits at a shutdown barrier for peers that may be blocked in a
     collective with this very process (up to the shutdown timeout). Exiting lets ``redcoast
-    launch`` (or, under SLURM / MPI, JAX's heartbeat on the other processes) stop the run.
-    Handlers registered after ``initialize`` (log files, TensorBoard, W&B) still run first.
+    launch`` (or, under SLURM / MPI, JAX's heartbeat on the other processes) stop the run. A
+    clean end still waits there (the others may be about to finish too), but the launcher,
+    told the script has returned, can name this process if the others are still working long
+    after. Handlers registered after ``initialize`` (log files, TensorBoard, W&B) still run first.
     """
     global _exit_hook_installed
     if _exit_hook_installed:
@@ -396,6 +403,12 @@ def _exit_at_once_on_error():
         previous(kind, value, tb)
 
     def exit_now():
+        returned = os.environ.get(ENV_RETURNED_FILE)
+        if returned and not failed:
+            try:
+                open(returned, "a").close()
+            except OSError:  # the launcher is gone; nothing to tell
+                pass
         if failed:
             for stream in (sys.stdout, sys.stderr):
                 try:

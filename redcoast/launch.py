@@ -10,9 +10,10 @@ its index (``[0] ...``). SIGINT and SIGTERM are forwarded to all processes. When
 fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace-period`` seconds) and the
 launcher exits non-zero, naming the process, how it ended, and its last lines of output.
 
-A watchdog also ends the launch, naming the process, when a process exits with status 0 while
-the others keep running for ``--exit-timeout`` seconds (an early exit the others would otherwise
-wait for, or later blame on a survivor), and when a process makes no progress for
+A watchdog also ends the launch, naming the process, when a process exits with status 0 (or its
+script returns: it may then wait in JAX's shutdown barrier) while the others keep running for
+``--exit-timeout`` seconds (an early exit the others would otherwise wait for, or later blame on a
+survivor), and when a process makes no progress for
 ``--stall-timeout`` seconds (a hang; each process on its own, so a chatty one cannot hide a hung
 one). Progress is a line of output or a touch of the file named by ``REDCOAST_HEARTBEAT_FILE``
 (:func:`heartbeat`; redcoast's training, evaluation and prediction loops touch it every batch).
@@ -317,11 +318,13 @@ class Launcher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         beats = tempfile.TemporaryDirectory(prefix="redcoast-launch-")
         self.heartbeats = [os.path.join(beats.name, f"heartbeat-{i}") for i in range(n)]
+        self.returned = [os.path.join(beats.name, f"returned-{i}") for i in range(n)]
         self.progress = [time.monotonic()] * n
         try:
             for i in range(n):
                 env = child_env(os.environ, n, i, o.host0_address, port, o.local_devices)
                 env[ENV_HEARTBEAT_FILE] = self.heartbeats[i]
+                env[distributed.ENV_RETURNED_FILE] = self.returned[i]
                 self.procs.append(subprocess.Popen(
                     self.command, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -363,19 +366,29 @@ class Launcher:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def _script_returned(self, i):
+        """Process ``i``'s script has ended cleanly, though the process may still be running
+        (in JAX's shutdown barrier, waiting for the others)."""
+        return os.path.exists(self.returned[i])
+
+    @staticmethod
+    def _how_it_left(i, codes):
+        return ("exited with code 0" if codes[i] == 0 else "returned from its script (status 0; "
+                "then waiting in JAX's shutdown for the others)")
+
     def _supervise(self):
         while True:
             codes = [p.poll() for p in self.procs]
             now = time.monotonic()
             for i, c in enumerate(codes):
-                if c == 0 and self.early_exit is None:
+                if (c == 0 or (c is None and self._script_returned(i))) and self.early_exit is None:
                     self.early_exit = (i, now)
                 if c not in (None, 0) and self.failed is None and not self.signals:
                     self.failed = (i, c)
                     if self.early_exit is not None:  # the survivor lost its peer: blame the peer
                         j, t = self.early_exit
                         self.failed = (j, 0)
-                        self.reason = (f"exited with code 0 after {t - self.started:.1f} s while "
+                        self.reason = (f"{self._how_it_left(j, codes)} after {t - self.started:.1f} s while "
                                        f"the others were still running; process {i} then "
                                        f"{describe_exit(c)} (a lost peer)")
                         self.fix = EARLY_EXIT_FIX
@@ -402,11 +415,12 @@ class Launcher:
     def _watchdog(self, codes, now):
         """End the launch on an early exit with status 0 or when no process makes progress."""
         o = self.options
+        working = [k for k, c in enumerate(codes) if c is None and not self._script_returned(k)]
         if self.early_exit is not None:
             i, t = self.early_exit
-            if now - t > o.exit_timeout:
+            if working and now - t > o.exit_timeout:
                 self.failed = (i, 0)
-                self.reason = (f"exited with code 0 after {t - self.started:.1f} s while the "
+                self.reason = (f"{self._how_it_left(i, codes)} after {t - self.started:.1f} s while the "
                                f"others were still running {o.exit_timeout:g} s later (an early "
                                "exit: a run's processes end together)")
                 self.fix = EARLY_EXIT_FIX
@@ -420,9 +434,10 @@ class Launcher:
                 self.progress[i] = max(self.progress[i], now - age)
             except OSError:
                 pass
-        running = [k for k, c in enumerate(codes) if c is None]
+        if not working:  # all left their scripts: JAX's shutdown barrier is theirs to time
+            return
         # each process on its own: one that prints (a monitoring thread) must not hide a hung one
-        i = min(running, key=lambda k: self.progress[k])
+        i = min(working, key=lambda k: self.progress[k])
         if now - self.progress[i] > o.stall_timeout:
             quiet = ", ".join(f"process {k} {now - t:.0f} s" for k, t in enumerate(self.progress))
             self.failed = (i, None)

@@ -301,6 +301,26 @@ def test_launch_an_early_exit_0_is_a_failure_named(tmp_path):
     assert "[1] leaving early" in out.split("FAILED")[1]  # its own output in the report
 
 
+def test_launch_a_script_returning_early_under_jax_distributed_is_named(tmp_path):
+    """Process 1 leaves right after Deployer(...): JAX's exit handler then holds it alive in the
+    shutdown barrier, waiting for process 0, so its exit status never comes; the launcher is told
+    the script returned and names it after --exit-timeout."""
+    start = time.monotonic()
+    code, out = launch(["-n", "2", "--local-devices", "1", "--exit-timeout", "3"], tmp_path, """
+        import sys, time
+        from redcoast import Deployer
+        deployer = Deployer(verbose=False)
+        if deployer.process_index == 1:
+            print("leaving early", flush=True)
+            sys.exit(0)
+        time.sleep(120)  # process 0 has more to do
+    """)
+    assert code == 1, out
+    assert "FAILED: process 1 of 2" in out and "returned from its script" in out, out
+    assert "[1] leaving early" in out.split("FAILED")[1]
+    assert time.monotonic() - start < 45
+
+
 def test_launch_a_port_in_use_is_named_before_starting(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
