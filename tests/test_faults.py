@@ -303,8 +303,9 @@ def test_launch_an_early_exit_0_is_a_failure_named(tmp_path):
 
 def test_launch_a_script_returning_early_under_jax_distributed_is_named(tmp_path):
     """Process 1 leaves right after Deployer(...): JAX's exit handler then holds it alive in the
-    shutdown barrier, waiting for process 0, so its exit status never comes; the launcher is told
-    the script returned and names it after --exit-timeout."""
+    shutdown barrier, waiting for process 0 (which waits for it in a collective), so its exit
+    status never comes; the launcher is told the script returned and names it after
+    --exit-timeout, before Gloo's 30 s deadline would end process 0 and seem to blame it."""
     start = time.monotonic()
     code, out = launch(["-n", "2", "--local-devices", "1", "--exit-timeout", "3"], tmp_path, """
         import sys, time
@@ -313,7 +314,9 @@ def test_launch_a_script_returning_early_under_jax_distributed_is_named(tmp_path
         if deployer.process_index == 1:
             print("leaving early", flush=True)
             sys.exit(0)
-        time.sleep(120)  # process 0 has more to do
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("setup done")  # process 0 waits for process 1
+        time.sleep(120)
     """)
     assert code == 1, out
     assert "FAILED: process 1 of 2" in out and "returned from its script" in out, out
