@@ -54,7 +54,7 @@ def tiny(tmp_path_factory):
 def free_greedy(tiny):
     """Greedy tokens without EOS (compiled once, shared)."""
     _, model, params = tiny
-    return np.asarray(generate(model, params, IDS, MASK, max_new_tokens=N_NEW))
+    return np.asarray(generate(model, params, IDS, MASK, max_new_tokens=N_NEW, eos_token_id=()))
 
 
 def eos_of(free_greedy):
@@ -123,7 +123,7 @@ def test_greedy_equals_transformers(tiny, free_greedy):
 
 def test_one_beam_is_greedy(tiny, free_greedy):
     _, model, params = tiny
-    tokens = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, num_beams=1)
+    tokens = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, num_beams=1, eos_token_id=())
     np.testing.assert_array_equal(tokens, free_greedy)
 
 
@@ -150,9 +150,9 @@ def test_filters_against_numpy():
 def test_sampling(tiny, free_greedy):
     _, model, params = tiny
     top1 = generate(model, params, IDS, MASK, max_new_tokens=N_NEW, do_sample=True, top_k=1,
-                    temperature=0.7, rng=jax.random.key(0))
+                    temperature=0.7, rng=jax.random.key(0), eos_token_id=())
     np.testing.assert_array_equal(top1, free_greedy)
-    kw = dict(max_new_tokens=N_NEW, do_sample=True, temperature=2.0, top_p=0.95)
+    kw = dict(max_new_tokens=N_NEW, do_sample=True, temperature=2.0, top_p=0.95, eos_token_id=())
     a = generate(model, params, IDS, MASK, rng=jax.random.key(1), **kw)
     b = generate(model, params, IDS, MASK, rng=jax.random.key(1), **kw)
     c = generate(model, params, IDS, MASK, rng=jax.random.key(2), **kw)
@@ -284,7 +284,8 @@ def test_more_model_shards_than_kv_heads_inside_a_predictor(tiny, free_greedy):
         return {"ids": ids, "mask": mask}
 
     def pred_fn(rng, params, batch):
-        return generate(model, params, batch["ids"], batch["mask"], max_new_tokens=N_NEW)
+        return generate(model, params, batch["ids"], batch["mask"], max_new_tokens=N_NEW,
+                        eos_token_id=())
 
     sharded = jax.device_put(params, plan.param_shardings())
     outputs = redcoast.Predictor(four, collate_fn, pred_fn).predict(PROMPTS, 2, sharded)

@@ -174,35 +174,55 @@ def smollm2_logits(smollm2, prompt_ids):
 
 
 @needs_smollm2
-def test_answers_the_capital_of_france(smollm2, prompt_ids):
+def test_answers_the_capital_of_france_and_stops_at_eos_as_transformers(smollm2, prompt_ids,
+                                                                        gguf_file):
+    """No option given: the file's EOS (<|im_end|>, 2) ends the answer, token for token as
+    transformers' generate on the same weights."""
     from redcoast.models.generate import generate
 
     model, params, tokenizer = smollm2
-    eos = tokenizer.token_to_id("<|im_end|>")
-    new = generate(model, params, np.asarray([prompt_ids], np.int32), max_new_tokens=16,
-                   eos_token_id=eos, pad_token_id=eos)
-    answer = tokenizer.decode(np.asarray(new[0]).tolist())
+    new = np.asarray(generate(model, params, np.asarray([prompt_ids], np.int32),
+                              max_new_tokens=24))[0]
+    answer = tokenizer.decode(new.tolist())
     assert "Paris" in answer, answer
-
-
-@needs_smollm2
-def test_logits_match_transformers_on_the_same_weights(gguf_file, prompt_ids, smollm2_logits):
+    eos = tokenizer.token_to_id("<|im_end|>")
+    assert eos in new, tokenizer.decode(new.tolist(), skip_special_tokens=False)
+    length = list(new).index(eos) + 1
+    assert (new[length:] == eos).all()  # padded with the file's pad token (its EOS)
     torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    reference = _transformers_smollm2(gguf_file)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=24,
+                                      do_sample=False)[0, len(prompt_ids):].numpy()
+    np.testing.assert_array_equal(new[:length], expected)
+
+
+def _transformers_smollm2(gguf_file):
+    """transformers' LlamaForCausalLM holding the GGUF file's weights (PyTorch, one thread: the
+    machine's few cores are shared, more threads only contend)."""
+    import torch
     transformers = pytest.importorskip("transformers")
     try:  # skips the random initialisation the loaded weights replace (transformers 5)
         from transformers.initialization import no_init_weights
     except ImportError:
         from contextlib import nullcontext as no_init_weights
     config, tensors = gguf_file
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    with no_init_weights():
+        ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    state = {k: torch.from_numpy(tensors[k]) for k in tensors}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
+    ref.load_state_dict(state, strict=True)
+    return ref
+
+
+@needs_smollm2
+def test_logits_match_transformers_on_the_same_weights(gguf_file, prompt_ids, smollm2_logits):
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the machine's few cores are shared; more threads only contend
     try:
-        torch.manual_seed(0)
-        with no_init_weights():
-            ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
-        state = {k: torch.from_numpy(tensors[k]) for k in tensors}
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
-        ref.load_state_dict(state, strict=True)
+        ref = _transformers_smollm2(gguf_file)
         with torch.no_grad():
             expected = ref(torch.tensor([prompt_ids])).logits[0].numpy()
     finally:

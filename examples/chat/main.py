@@ -60,11 +60,11 @@ def main():
 
     prompts = [tokenizer.encode(apply_chat_template([{"role": "user", "content": q}])).ids
                for q in QUESTIONS]
-    end = tokenizer.token_to_id("<|im_end|>")  # ends an assistant turn; also the padding
+    end = tokenizer.token_to_id("<|im_end|>")  # the file's EOS (ends an assistant turn); padding
     input_ids, attention_mask = left_pad(prompts, pad_id=end)
     start = time.time()
-    new_tokens = generate(model, params, input_ids, attention_mask,
-                          max_new_tokens=MAX_NEW_TOKENS, eos_token_id=end, pad_token_id=end)
+    # stops at the model's EOS, as the GGUF file declares it (model.config.eos_token_id)
+    new_tokens = generate(model, params, input_ids, attention_mask, max_new_tokens=MAX_NEW_TOKENS)
     new_tokens = np.asarray(new_tokens)
     print(f"Answered {len(QUESTIONS)} questions in {time.time() - start:.1f} s "
           "(greedy, compilation included).\n")

@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import ConfigError, DataError
+from . import logits_processors as processors
 
 NEG = -1.0e9  # the score of a hypothesis that must not be chosen (finite, so sums stay finite)
 
@@ -41,11 +42,18 @@ class SearchConfig:
     early_stopping: object = False  # True, False or "never", as in transformers
     eos_token_id: tuple = ()
     pad_token_id: int = 0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+    forced_bos_token_id: int = None
+    forced_eos_token_id: tuple = ()
+    stop_sequences: tuple = ()      # of token-id tuples
 
     @classmethod
     def make(cls, *, max_new_tokens, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
              num_beams=1, length_penalty=1.0, early_stopping=False, eos_token_id=None,
-             pad_token_id=0):
+             pad_token_id=0, repetition_penalty=1.0, min_new_tokens=0, no_repeat_ngram_size=0,
+             forced_bos_token_id=None, forced_eos_token_id=None, stop_sequences=()):
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r}; it must be a positive integer.")
         if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
@@ -59,15 +67,65 @@ class SearchConfig:
             raise ConfigError(f"top_p={top_p!r}; it must be in (0, 1] (1 = no nucleus filter).")
         if early_stopping not in (True, False, "never"):
             raise ConfigError(f"early_stopping={early_stopping!r}; use True, False or 'never'.")
-        if eos_token_id is None:
-            eos = ()
-        elif isinstance(eos_token_id, (int, np.integer)):
-            eos = (int(eos_token_id),)
-        else:
-            eos = tuple(int(e) for e in eos_token_id)
+        if not repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty={repetition_penalty!r}; it must be > 0 (1.0 = "
+                              "off, above 1 discourages repeating tokens).")
+        for name, value in (("min_new_tokens", min_new_tokens),
+                            ("no_repeat_ngram_size", no_repeat_ngram_size)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ConfigError(f"{name}={value!r}; it must be an integer >= 0 (0 = off).")
+        if min_new_tokens and min_new_tokens > max_new_tokens:
+            raise ConfigError(f"min_new_tokens={min_new_tokens} is more than max_new_tokens="
+                              f"{max_new_tokens}. Fix: raise max_new_tokens or lower min_new_tokens.")
+        stops = tuple(_token_ids(seq, "stop_sequences") for seq in stop_sequences)
+        if any(len(seq) == 0 for seq in stops):
+            raise ConfigError("stop_sequences has an empty sequence; each must hold token ids "
+                              "(for text, use stop_strings with a tokenizer).")
+        processors = (repetition_penalty != 1.0, min_new_tokens, no_repeat_ngram_size,
+                      forced_bos_token_id is not None, forced_eos_token_id is not None, stops)
+        if num_beams > 1 and any(processors):
+            raise ConfigError("repetition_penalty, min_new_tokens, no_repeat_ngram_size, forced "
+                              "BOS/EOS and stop_sequences work with greedy decoding and sampling, "
+                              "not yet with beam search. Fix: use num_beams=1 with them.")
         return cls(int(max_new_tokens), bool(do_sample), float(temperature), int(top_k),
-                   float(top_p), int(num_beams), float(length_penalty), early_stopping, eos,
-                   int(pad_token_id))
+                   float(top_p), int(num_beams), float(length_penalty), early_stopping,
+                   _token_ids(eos_token_id, "eos_token_id"), int(pad_token_id),
+                   float(repetition_penalty), int(min_new_tokens), int(no_repeat_ngram_size),
+                   None if forced_bos_token_id is None else int(forced_bos_token_id),
+                   _token_ids(forced_eos_token_id, "forced_eos_token_id"), stops)
+
+
+def _token_ids(value, name):
+    """``None``, one id or a list of ids, as a tuple of ints."""
+    if value is None:
+        return ()
+    if isinstance(value, (int, np.integer)):
+        return (int(value),)
+    try:
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r}; give a token id or a list of token ids.") from None
+
+
+def model_defaults(model, eos_token_id, pad_token_id):
+    """``(eos, pad)`` as transformers chooses them: given, else the model's generation config or
+    config (``generation_config.json``, a GGUF file's tokenizer metadata); pad falls back to the
+    first EOS, then 0. ``eos_token_id=()`` asks for no EOS at all."""
+    sources = [getattr(model, "generation_config", None) or {}, model.config]
+
+    def default(name):
+        for source in sources:
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if value is not None:
+                return value
+        return None
+    eos = default("eos_token_id") if eos_token_id is None else eos_token_id
+    eos = _token_ids(eos, "eos_token_id")
+    if pad_token_id is None:
+        pad_token_id = default("pad_token_id")
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    return eos, int(pad_token_id)
 
 
 def left_pad(token_lists, pad_id=0, length=None):
@@ -133,7 +191,7 @@ def row_keys(rng, n_rows):
 # ---------------------------------------------------------------------------- the decoding loop
 
 def decode(step_fn, params, logits, cache, key_mask, positions, cache_index, extra=None, *,
-           config, rng=None):
+           config, rng=None, context=None, context_mask=None):
     """Generate ``config.max_new_tokens`` tokens after a prefill: int32 [B, max_new_tokens].
 
     The hook for every family (decoder-only and encoder-decoder):
@@ -152,7 +210,10 @@ def decode(step_fn, params, logits, cache, key_mask, positions, cache_index, ext
       -> ``(logits [N, V] (or [N, 1, V]), new_cache)`` runs one token per row.
 
     The cache needs ``cache_index + max_new_tokens - 1`` slots (the last token is never fed
-    back); ``rng`` is required when ``config.do_sample``.
+    back); ``rng`` is required when ``config.do_sample``. ``context`` [B, C] (and its
+    ``context_mask``) are the tokens before the new ones, which the logits processors
+    (repetition penalty, n-grams, forced BOS) look back on: the prompt of a decoder, the start
+    token of an encoder-decoder's decoder.
     """
     if config.do_sample and rng is None:
         raise ConfigError("do_sample=True needs rng=<a jax.random key> (a Predictor's pred_fn "
@@ -162,8 +223,12 @@ def decode(step_fn, params, logits, cache, key_mask, positions, cache_index, ext
 
         return beam_search(step_fn, params, logits, cache, key_mask, positions, cache_index,
                            extra, config=config, rng=rng)
+    if context is None:
+        context = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    if context_mask is None:
+        context_mask = jnp.ones(context.shape, bool)
     return _sample_or_greedy(step_fn, params, logits, cache, key_mask, positions, cache_index,
-                             extra, config, rng)
+                             extra, config, rng, context, context_mask.astype(bool))
 
 
 def last_logits(logits):
@@ -171,12 +236,17 @@ def last_logits(logits):
 
 
 def _sample_or_greedy(step_fn, params, logits, cache, key_mask, positions, cache_index, extra,
-                      cfg, rng):
+                      cfg, rng, context, context_mask):
     batch, n_new = logits.shape[0], cfg.max_new_tokens
     keys = row_keys(rng, batch) if cfg.do_sample else None
 
-    def choose(logits, i, finished):
+    def choose(logits, i, finished, out):
         logits = logits.astype(jnp.float32)
+        if processors.any_active(cfg):
+            ids = jnp.concatenate([context, out], axis=1)
+            valid = jnp.concatenate(
+                [context_mask, jnp.broadcast_to(jnp.arange(n_new) < i, out.shape)], axis=1)
+            logits = processors.process(logits, cfg, i, ids, valid, context.shape[1])
         if cfg.do_sample:
             step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
             tokens = jax.vmap(jax.random.categorical)(step_keys, warp(logits, cfg))
@@ -186,11 +256,12 @@ def _sample_or_greedy(step_fn, params, logits, cache, key_mask, positions, cache
 
     def write(out, finished, tokens, i):
         out = lax.dynamic_update_slice(out, tokens[:, None], (0, i))
-        return out, finished | is_eos(tokens, cfg)
+        stopped = processors.ends_with_a_stop_sequence(out, i, cfg.stop_sequences)
+        return out, finished | is_eos(tokens, cfg) | stopped
 
     none_finished = jnp.zeros((batch,), bool)
     out = jnp.full((batch, n_new), cfg.pad_token_id, jnp.int32)
-    out, finished = write(out, none_finished, choose(logits, 0, none_finished), 0)
+    out, finished = write(out, none_finished, choose(logits, 0, none_finished, out), 0)
 
     def cond(carry):
         i, _, finished, _ = carry
@@ -201,7 +272,7 @@ def _sample_or_greedy(step_fn, params, logits, cache, key_mask, positions, cache
         previous = lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
         logits, cache = step_fn(params, previous, (positions + i - 1)[:, None], key_mask, cache,
                                 cache_index + i - 1, extra)
-        out, finished = write(out, finished, choose(last_logits(logits), i, finished), i)
+        out, finished = write(out, finished, choose(last_logits(logits), i, finished, out), i)
         return i + 1, out, finished, cache
 
     _, out, _, _ = lax.while_loop(cond, body, (jnp.int32(1), out, finished, cache))
@@ -241,7 +312,8 @@ def _generate(model, cfg, params, input_ids, attention_mask, rng):
                          jnp.int32(prompt_len - 1), None)
     next_position = jnp.sum(attention_mask, axis=1).astype(jnp.int32)
     return decode(step, params, logits, cache, key_mask, next_position, jnp.int32(prompt_len),
-                  config=cfg, rng=rng)
+                  config=cfg, rng=rng, context=input_ids.astype(jnp.int32),
+                  context_mask=attention_mask)
 
 
 @functools.lru_cache(maxsize=64)
@@ -251,28 +323,50 @@ def _jitted(model, cfg):
 
 def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, do_sample=False,
              temperature=1.0, top_k=0, top_p=1.0, num_beams=1, length_penalty=1.0,
-             early_stopping=False, eos_token_id=None, pad_token_id=0, rng=None):
+             early_stopping=False, eos_token_id=None, pad_token_id=None, repetition_penalty=1.0,
+             min_new_tokens=0, no_repeat_ngram_size=0, forced_bos_token_id=None,
+             forced_eos_token_id=None, stop_sequences=(), stop_strings=(), tokenizer=None,
+             rng=None):
     """New tokens for a batch of LEFT-padded prompts: int32 [B, max_new_tokens], each row padded
     with ``pad_token_id`` after its first ``eos_token_id`` (an int or a list).
 
     ``model`` is a :class:`redcoast.models.Model` of a decoder that follows the KV-cache
     protocol; ``attention_mask`` [B, T] marks real prompt tokens (see :func:`left_pad`).
+    ``eos_token_id`` and ``pad_token_id`` default to the model's, as transformers takes them
+    (``generation_config.json``, then config.json or the GGUF file's tokenizer metadata; pad
+    falls back to the first EOS); ``eos_token_id=()`` generates without stopping.
 
     - greedy (default); ``do_sample=True`` samples with ``temperature``, ``top_k`` (0 = off)
       and ``top_p`` (1 = off), one random stream per row drawn from ``rng``;
     - ``num_beams > 1``: beam search scored as transformers does (sum of log-probabilities /
       new length ** ``length_penalty``; ``early_stopping`` True, False or "never"); with
       ``do_sample`` the beams are sampled. ``num_beams=1`` is greedy.
+    - transformers' processors (greedy and sampling): ``repetition_penalty``,
+      ``min_new_tokens`` (EOS forbidden before), ``no_repeat_ngram_size``,
+      ``forced_bos_token_id`` (when the history is one token), ``forced_eos_token_id`` (the
+      last new token); ``stop_sequences`` (lists of token ids) end a row like EOS does.
+    - ``stop_strings`` with a ``tokenizer`` (anything with ``decode(ids)``): each row is cut
+      after the first token whose text completes one of them (the rest is ``pad_token_id``),
+      on the host, so only when called directly.
 
     Every prompt needs at least one token (e.g. BOS). Inside a jitted function (a Predictor's
     ``pred_fn``) it is traced into it, with whatever sharding the params and batch have; called
     directly, it is compiled once per model, setting and shape (fixed-width prompts from
     ``left_pad(..., length=L)`` avoid recompiling).
     """
+    eos, pad = model_defaults(model, eos_token_id, pad_token_id)
     cfg = SearchConfig.make(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
         top_p=top_p, num_beams=num_beams, length_penalty=length_penalty,
-        early_stopping=early_stopping, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        early_stopping=early_stopping, eos_token_id=eos, pad_token_id=pad,
+        repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
+        no_repeat_ngram_size=no_repeat_ngram_size, forced_bos_token_id=forced_bos_token_id,
+        forced_eos_token_id=forced_eos_token_id, stop_sequences=stop_sequences)
+    if isinstance(stop_strings, str):
+        stop_strings = (stop_strings,)
+    if stop_strings and tokenizer is None:
+        raise ConfigError("stop_strings needs tokenizer=... (what turns the new tokens into text, "
+                          "e.g. the tokenizer from_gguf returns).")
     if np.ndim(input_ids) != 2 or np.shape(input_ids)[1] == 0:
         raise DataError(f"input_ids has shape {np.shape(input_ids)}; generate expects [batch, "
                         "prompt length >= 1] (use left_pad to batch token lists).")
@@ -281,7 +375,28 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
             raise DataError(f"attention_mask has shape {np.shape(attention_mask)}, input_ids "
                             f"{np.shape(input_ids)}; they must match.")
         _check_left_padded(attention_mask)
-    return _jitted(model, cfg)(params, jnp.asarray(input_ids), attention_mask, rng)
+    tokens = _jitted(model, cfg)(params, jnp.asarray(input_ids), attention_mask, rng)
+    if not stop_strings:
+        return tokens
+    if isinstance(tokens, jax.core.Tracer):
+        raise ConfigError("stop_strings are matched on the host, so generate cannot apply them "
+                          "inside a jitted function (a pred_fn). Fix: call cut_at_stop_strings("
+                          "tokens, tokenizer, stop_strings, pad_token_id) on the predictions.")
+    return cut_at_stop_strings(np.asarray(tokens), tokenizer, stop_strings, pad)
+
+
+def cut_at_stop_strings(tokens, tokenizer, stop_strings, pad_token_id):
+    """``tokens`` [B, N] (numpy) with each row cut after the first token whose text completes one
+    of ``stop_strings`` (that token kept, the rest ``pad_token_id``), as transformers'
+    ``stop_strings`` end a row."""
+    tokens = np.array(tokens)
+    for row in tokens:
+        for k in range(1, len(row) + 1):
+            text = tokenizer.decode([int(t) for t in row[:k]])
+            if any(stop in text for stop in stop_strings):
+                row[k:] = pad_token_id
+                break
+    return tokens
 
 
 def _check_left_padded(mask):

@@ -86,9 +86,27 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
     Stored tensors the architecture does not use are logged too. A missing parameter outside
     the head, or a tensor whose shape disagrees with the config, is an error.
     """
-    return from_reader(hf.read_config(folder), hf.SafetensorsFolder(folder), deployer,
-                       shardings=shardings, param_dtype=param_dtype, architecture=architecture,
-                       fsdp=fsdp, config_overrides=config_overrides, rng=rng)
+    model, params = from_reader(hf.read_config(folder), hf.SafetensorsFolder(folder), deployer,
+                                shardings=shardings, param_dtype=param_dtype,
+                                architecture=architecture, fsdp=fsdp,
+                                config_overrides=config_overrides, rng=rng)
+    model.generation_config = read_generation_config(folder)
+    return model, params
+
+
+def read_generation_config(folder):
+    """The folder's ``generation_config.json`` as a dict (generation's defaults: EOS, pad, ...),
+    or ``{}`` where it has none."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read as JSON ({e}). Fix: repair or delete it (it "
+                          "only holds generation defaults).") from None
+    return value if isinstance(value, dict) else {}
 
 
 def parse_config(family, config_dict, reader, config_overrides=None):
