@@ -148,6 +148,38 @@ def test_rules_per_subtree():
         deployer.get_sharding_plan(params, {"encoder": []})
 
 
+def test_redcos_lora_rules_per_subtree_train(tmp_path):
+    """redco's LoRA example: {'model': deployer.get_sharding_rules(params['model']), 'lora': None}
+    (the model's printed rules passed back, LoRA automatic) trains as the automatic plan would;
+    edited rules for a subtree are the user's there."""
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)
+    params = {"model": {"a": {"kernel": jnp.ones((8, 16))}, "b": {"kernel": jnp.ones((16, 8))}},
+              "lora": {"a": jnp.ones((8, 2)), "b": jnp.zeros((2, 8))}}
+
+    def loss_fn(train_rng, state, params, batch, is_training):
+        model, lora = params["model"], params["lora"]
+        hidden = jnp.tanh(batch["x"] @ model["a"]["kernel"]) @ model["b"]["kernel"]
+        return jnp.mean((hidden + batch["x"] @ lora["a"] @ lora["b"]) ** 2)
+
+    def collate(examples):
+        return {"x": np.stack([e["x"] for e in examples])}
+
+    def trainer_with(rules):
+        return Trainer(deployer=deployer, collate_fn=collate, apply_fn=None, loss_fn=loss_fn,
+                       params=params, optimizer=optax.adam(1e-3), params_sharding_rules=rules)
+    automatic = trainer_with(None)
+    redcos = trainer_with({"model": deployer.get_sharding_rules(params["model"]), "lora": None})
+    examples = [{"x": np.full(8, i / 16, np.float32)} for i in range(16)]
+    for t in (automatic, redcos):
+        t.fit(train_examples=examples, per_device_batch_size=2, n_epochs=1)
+    assert redcos.plan.param_specs == automatic.plan.param_specs
+    assert automatic.plan.param_specs["model"]["a"]["kernel"] == P(None, "mp")  # a real plan
+    for a, b in zip(jax.tree_util.tree_leaves(redcos.params), jax.tree_util.tree_leaves(automatic.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    mine = trainer_with({"model": [(("a", "kernel"), P()), ((".*",), P())], "lora": None})
+    assert mine.plan.param_specs["model"]["a"]["kernel"] == P()
+
+
 def test_redco_checkpoints_round_trip_without_pickle(tmp_path):
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(tmp_path), verbose=False)
     params = {"dense": {"kernel": jnp.arange(32.0).reshape(4, 8)}}

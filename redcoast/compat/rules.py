@@ -3,16 +3,11 @@
 redco scripts compute ``deployer.get_sharding_rules(params)`` and pass the result back; in
 redcoast that list stands for "automatic", so the placement traced from the loss's data flow is
 used instead of freezing the shape-based guess. A dict of rules per top-level subtree
-(``{'model': rules, 'lora': None}``) becomes exact rules for the parameters of each subtree;
-``None`` for a subtree means automatic there.
+(``{'model': rules, 'lora': None}``) is the core's too (``sharding.rules.expand_subtree_rules``):
+exact rules for the parameters of each subtree, ``None`` for a subtree meaning automatic there.
 """
 
-import re
 from collections.abc import Mapping
-
-from ..errors import ConfigError
-from ..sharding.paths import leaves_with_paths
-from ..sharding.rules import check_rules_format, first_matching_rule
 
 
 class AutoShardingRules(list):
@@ -28,25 +23,12 @@ class AutoShardingRules(list):
 
 
 def plain_rules(rules, params):
-    """``rules`` in the core's form (a list of (regexes, PartitionSpec), or None for automatic)."""
+    """``rules`` in the core's form: a list of (regexes, PartitionSpec), a dict of such lists per
+    top-level subtree, or None for automatic; rules printed by ``get_sharding_rules`` and passed
+    back unedited (at the top or for a subtree) mean automatic."""
     if rules is None or (isinstance(rules, AutoShardingRules) and not rules.edited()):
         return None
-    if not isinstance(rules, Mapping):
-        return rules
-    unknown = set(rules) - set(params) if isinstance(params, Mapping) else set(rules)
-    if unknown:
-        raise ConfigError(
-            f"params_sharding_rules has subtrees {sorted(unknown)} that the parameters do not have "
-            f"(top-level keys: {sorted(params) if isinstance(params, Mapping) else type(params).__name__}). "
-            "Fix: key the rules by the top-level keys of params, or pass one list of rules.")
-    exact = []
-    for key, sub_rules in rules.items():
-        sub_rules = plain_rules(sub_rules, params[key])
-        if not sub_rules:
-            continue
-        check_rules_format(sub_rules)
-        for path, _ in leaves_with_paths(params[key]):
-            spec = first_matching_rule(sub_rules, path)
-            if spec is not None:
-                exact.append((tuple(re.escape(p) for p in (str(key),) + path), spec))
-    return exact or None
+    if isinstance(rules, Mapping) and isinstance(params, Mapping):
+        rules = {key: plain_rules(sub, params[key]) if key in params else sub
+                 for key, sub in rules.items()}
+    return rules

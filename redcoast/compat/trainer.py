@@ -12,6 +12,7 @@ from .calls import COLLATE_FN_ARGS, EVAL_METRIC_FN_ARGS, LOSS_FN_ARGS, by_keywor
 from .notices import warn_redco
 from .optimizers import params_for_optimizer, unwrap_multisteps
 from .predictor import Predictor
+from .rules import plain_rules
 
 REDCO_STEP_KEYWORDS = ("loss_fn", "lr_schedule_fn", "mesh", "compute_dtype")
 
@@ -77,6 +78,7 @@ class Trainer(core.Trainer):
         self.accumulate_grad_batches = k  # read by adapt_train_step_fn before the core sets it
         loss_fn = by_keyword(loss_fn, LOSS_FN_ARGS, copy_batch=True)
         step_fn = adapt_train_step_fn(train_step_fn, self, loss_fn, lr_schedule_fn, compute_dtype)
+        params_sharding_rules = plain_rules(params_sharding_rules, params)
         super().__init__(deployer, by_keyword(collate_fn, COLLATE_FN_ARGS), apply_fn, loss_fn,
                          params, optimizer, lr_schedule_fn=lr_schedule_fn,
                          accumulate_grad_batches=k, params_sharding_rules=params_sharding_rules,

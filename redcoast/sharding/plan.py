@@ -13,7 +13,8 @@ from .grouped_axes import parse as parse_grouped
 from .opt_state import opt_state_specs
 from .paths import path_to_tuple
 from .permuted import split_permutations
-from .rules import (Placement, check_rules_format, check_spec_fits, first_matching_rule,
+from .rules import (Placement, check_rules_format, check_spec_fits, expand_subtree_rules,
+                    first_matching_rule,
                     format_plan, format_rules, generalize_rules, rule_matches)
 
 
@@ -30,6 +31,7 @@ class ShardingPlan:
         self.axis_sizes = dict(mesh.shape)
         n_model_shards = self.axis_sizes.get("mp", 1)
         placements = base_placements or auto_placements(params, n_model_shards)
+        user_rules = expand_subtree_rules(user_rules, params)
         if user_rules:
             check_rules_format(user_rules)
             placements = [self._apply_user_rule(pl, user_rules) for pl in placements]

@@ -6,13 +6,14 @@ parameter's path (``('params', 'h_0', 'attn', 'c_attn', 'kernel')``). The first 
 
 import dataclasses
 import re
+from collections.abc import Mapping
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
 from .grouped_axes import axis_size, per_device_pieces
-from .paths import path_to_str
+from .paths import leaves_with_paths, path_to_str
 
 
 def normalize_spec(spec):
@@ -82,6 +83,35 @@ def check_rules_format(rules):
                 re.compile(r)
             except re.error as e:
                 raise ConfigError(f"Sharding rule #{i} has an invalid regex {r!r}: {e}.") from e
+
+
+def expand_subtree_rules(rules, params):
+    """Rules keyed by the top-level keys of ``params`` (redco's form: ``{'model': [rules],
+    'lora': None}``, ``None`` = automatic there) as one list of exact rules, each for the
+    parameters its subtree's rules match; any other ``rules`` unchanged."""
+    if not isinstance(rules, Mapping):
+        return rules
+    keys = set(params) if isinstance(params, Mapping) else set()
+    unknown = set(rules) - keys
+    if unknown:
+        raise ConfigError(
+            f"params_sharding_rules has subtrees {sorted(map(str, unknown))} that the parameters "
+            f"do not have (top-level keys: "
+            f"{sorted(map(str, keys)) if isinstance(params, Mapping) else type(params).__name__}). "
+            "Fix: key the rules by the top-level keys of params, or pass one list of rules.")
+    exact = []
+    for key, sub_rules in rules.items():
+        if not sub_rules:
+            continue
+        if isinstance(sub_rules, Mapping):
+            raise ConfigError(f"params_sharding_rules[{key!r}] is a dict; rules per subtree go one "
+                              "level deep. Fix: give a list of (regexes, PartitionSpec) or None.")
+        check_rules_format(sub_rules)
+        for path, _ in leaves_with_paths(params[key]):
+            spec = first_matching_rule(sub_rules, path)
+            if spec is not None:
+                exact.append((tuple(re.escape(p) for p in (str(key),) + path), spec))
+    return exact or None
 
 
 def check_spec_fits(spec, shape, axis_sizes, path):
