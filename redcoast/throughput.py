@@ -87,7 +87,7 @@ class StepCost:
         if self.flops_per_device is not None and self.peak_flops is not None:
             out["mfu"] = steps * self.flops_per_device / seconds / self.peak_flops
         else:
-            out["mfu"] = "n/a"
+            out["mfu"] = None  # JSON null: unknown, not a number (see mfu_unknown_reason)
         return out
 
     def mfu_unknown_reason(self, device, compute_dtype):

@@ -54,7 +54,7 @@ class Trainer:
     (off by default: one more reduction and all-reduce in the step, +12% on a small CPU run).
     Logged throughput: ``train_step_time_s``, ``train_examples_per_s``, ``train_tokens_per_s``
     (where the batch has integer ``[batch, sequence]`` arrays) and ``train_mfu`` (XLA's FLOPs of
-    the compiled step over the device's peak; "n/a" where the peak is unknown, e.g. on CPUs).
+    the compiled step over the device's peak; null (None) where the peak is unknown, e.g. on CPUs).
     ``frozen_params``: parameters the step reads but does not train (a LoRA base, see
     redcoast/lora.py): placed on the mesh (as given where they already are, else by a plan from
     their shapes), passed to each step as an input, never differentiated, given no optimizer
@@ -455,7 +455,7 @@ class Trainer:
             means["lr"] = float(self.lr_schedule_fn(self._host_step - 1))
         if timed and elapsed > 0:  # none when the window held only the compiling step
             means.update(self._step_cost(batch).rates(timed, elapsed))
-        bar.set_postfix({k: v if isinstance(v, str) else f"{v:.4g}" for k, v in means.items()},
+        bar.set_postfix({k: f"{v:.4g}" for k, v in means.items() if v is not None},
                         refresh=False)
         self.deployer.log_metrics({f"train_{k}": v for k, v in means.items()}, self._host_step)
 

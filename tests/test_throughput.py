@@ -63,7 +63,7 @@ def test_rates_of_a_step_cost():
     rates = cost.rates(steps=10, seconds=5.0)
     assert rates == {"step_time_s": 0.5, "examples_per_s": 32.0, "tokens_per_s": 4096.0,
                      "mfu": 10 * 2e12 / 5.0 / 1e15}
-    assert StepCost(16, None, 2e12, None).rates(1, 1.0)["mfu"] == "n/a"
+    assert StepCost(16, None, 2e12, None).rates(1, 1.0)["mfu"] is None
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -82,7 +82,7 @@ def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path, accumulate):
     first, later = train[0], train[1:]
     assert "train_tokens_per_s" not in first  # the first window holds only the compiling step
     for row in later:
-        assert row["train_mfu"] == "n/a"  # CPU devices: no known peak
+        assert row["train_mfu"] is None  # CPU devices: no known peak (JSON null)
         assert row["train_step_time_s"] > 0
         # tokens: the update's examples x the batch's sequence length (SEQ + 1 ids per example)
         np.testing.assert_allclose(row["train_tokens_per_s"],
