@@ -174,13 +174,14 @@ def smollm2_logits(smollm2, prompt_ids):
 
 
 @needs_smollm2
-def test_answers_the_capital_of_france_and_stops_at_eos_as_transformers(smollm2, prompt_ids,
-                                                                        gguf_file):
-    """No option given: the file's EOS (<|im_end|>, 2) ends the answer, token for token as
-    transformers' generate on the same weights."""
+def test_answers_the_capital_of_france_and_stops_at_eos_as_transformers(smollm2, gguf_file):
+    """The question through the file's own chat template, no option given: the file's EOS
+    (<|im_end|>, 2) ends the answer, token for token as transformers' generate on the same
+    weights."""
     from redcoast.models.generate import generate
 
     model, params, tokenizer = smollm2
+    prompt_ids = tokenizer.encode(model.chat_template.render(QUESTION)).ids
     new = np.asarray(generate(model, params, np.asarray([prompt_ids], np.int32),
                               max_new_tokens=24))[0]
     answer = tokenizer.decode(new.tolist())

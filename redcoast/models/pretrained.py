@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
+from .chat_template import ChatTemplate
 from ..sharding.paths import key_to_str
 from ..tensor_files import Deferred, host_array
 from . import hf
@@ -91,6 +92,7 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
                                 architecture=architecture, fsdp=fsdp,
                                 config_overrides=config_overrides, rng=rng)
     model.generation_config = read_generation_config(folder)
+    model.chat_template = ChatTemplate.from_folder(folder)
     return model, params
 
 

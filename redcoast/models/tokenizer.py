@@ -78,13 +78,22 @@ def tokenizer_from_gguf(file):
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
-def apply_chat_template(messages, add_generation_prompt=True, default_system=SMOLLM2_SYSTEM):
-    """Messages ([{"role": ..., "content": ...}]) as a ChatML prompt string.
+def apply_chat_template(messages, add_generation_prompt=True, default_system=SMOLLM2_SYSTEM,
+                        template=None, **variables):
+    """Messages ([{"role": ..., "content": ...}]) as a prompt string: rendered by ``template``
+    (a model's own :class:`~redcoast.models.chat_template.ChatTemplate`, e.g.
+    ``model.chat_template``; ``variables`` such as ``tools`` go to it) where one is given, else
+    in ChatML, the fallback for a model without a template.
 
-    Each message is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; the generation prompt
+    In ChatML each message is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; the generation prompt
     ``<|im_start|>assistant\\n`` follows. Like SmolLM2's own template, a conversation that does
     not start with a system message gets ``default_system`` first (None: no system message).
     """
+    if template is not None:
+        return template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+    if variables:
+        raise ConfigError(f"apply_chat_template got {sorted(variables)}, which only a model's own "
+                          "template takes. Fix: pass template=model.chat_template.")
     parts = []
     if messages and messages[0]["role"] != "system" and default_system is not None:
         parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
