@@ -250,3 +250,32 @@ def test_logits_split_over_two_devices_equal_one_device(prompt_ids, smollm2_logi
     got = _logits(model, params, prompt_ids)
     scale = np.abs(smollm2_logits).max()
     np.testing.assert_allclose(got, smollm2_logits, rtol=0, atol=1e-4 * scale)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_exported_folder_loads_whole_in_transformers_and_generates_the_same(smollm2, tmp_path):
+    """SmolLM2 from its GGUF file, saved with its tokenizer: transformers' AutoModelForCausalLM,
+    AutoTokenizer (with the file's chat template) and GenerationConfig load the folder, and
+    transformers' generate answers with redcoast's tokens, stopping at the same EOS."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    transformers = pytest.importorskip("transformers")
+    from redcoast.models import save_pretrained
+    from redcoast.models.generate import generate
+
+    model, params, tokenizer = smollm2
+    save_pretrained(model, params, tmp_path, tokenizer=tokenizer)
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = their_tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    assert text == model.chat_template.render(QUESTION)
+    ids = their_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == tokenizer.encode(text).ids
+    assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id == 2
+    torch.set_num_threads(1)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=24,
+                                      do_sample=False)[0, len(ids):].numpy()
+    ours = np.asarray(generate(model, params, np.asarray([ids], np.int32), max_new_tokens=24))[0]
+    assert expected[-1] == 2 and "Paris" in tokenizer.decode(expected.tolist())
+    np.testing.assert_array_equal(ours[:len(expected)], expected)

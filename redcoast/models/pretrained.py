@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
+from . import folder_extras
 from .chat_template import ChatTemplate
 from ..sharding.paths import key_to_str
 from ..tensor_files import Deferred, host_array
@@ -308,15 +309,33 @@ def hf_tensors(model, params):
     return out
 
 
-def save_pretrained(model, params, folder, max_shard_bytes=None):
+def save_pretrained(model, params, folder, max_shard_bytes=None, *, tokenizer=None,
+                    generation_config=None):
     """Write a folder that transformers (PyTorch) loads with ``from_pretrained(folder)``.
 
-    Call it on every process; process 0 writes. Tied weights are stored once."""
+    Besides config.json (with the parameters' ``dtype``) and the weights: generation_config.json
+    (the config's BOS / EOS / pad ids, the source folder's generation_config.json, then
+    ``generation_config``, a dict, over them), which ``GenerationConfig.from_pretrained`` and
+    ``generate`` read; and with ``tokenizer`` (a transformers tokenizer, or the
+    ``tokenizers.Tokenizer`` that ``from_gguf`` returns) its files with the model's chat
+    template, which ``AutoTokenizer.from_pretrained`` loads. Call it on every process; process
+    0 writes. Tied weights are stored once."""
     tensors = hf_tensors(model, params)
     config = model.config.to_hf()
+    dtype = folder_extras.params_dtype(params)
+    if dtype is not None:
+        config["dtype"] = dtype
+        config.pop("torch_dtype", None)  # transformers 5's name is dtype
     family = family_of(config["model_type"])
     named = list(config.get("architectures") or [])
     if not (named and family.MODULES.get(named[0]) is model.module_cls):
         # the class actually saved (e.g. a classifier folder loaded as BertModel)
         config["architectures"] = [n for n, cls in family.MODULES.items() if cls is model.module_cls][:1]
     hf.save_folder(folder, config, tensors, max_shard_bytes=max_shard_bytes)
+    if jax.process_index() != 0:
+        return
+    defaults = folder_extras.generation_config(model, config, generation_config)
+    if defaults:
+        folder_extras.write_json(os.path.join(folder, "generation_config.json"), defaults)
+    if tokenizer is not None:
+        folder_extras.write_tokenizer(folder, tokenizer, model, config)
