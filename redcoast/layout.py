@@ -251,7 +251,7 @@ def candidates_at(n_model_shards, n_data_shards, fsdp_options, fuse_options):
 
 
 def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, batch_for,
-                  make_mesh, budget_bytes, platform):
+                  make_mesh, budget_bytes, platform, remembered=None):
     """The final :class:`Layout` for ``state``: among the candidates (``shard_counts`` x
     ``fsdp_options`` x ``fuse_options``) the fastest that fits ``budget_bytes`` per device.
 
@@ -261,7 +261,8 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     where they are options), from the fewest shards up, stopping once a count that fits costs
     more per example than the one before; a count over which the plan splits nothing is not
     measured (its devices would repeat the same work); the other settings are compared at the
-    best count only. A few compilations at the first batch in all.
+    best count only. A few compilations at the first batch in all; none but its own for a
+    ``remembered`` candidate (layout_memory.py) that is among those allowed.
     """
     traced = {}  # Candidate -> (plan, source, abstract batch, mesh)
     batches = {}  # n_model_shards -> (mesh, the first batch on it): collated once per mesh
@@ -289,6 +290,13 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
 
     def shape_of(n):  # data shards with n model shards
         return make_mesh(n).shape["dp"]
+
+    if remembered is not None and remembered in candidates_at(
+            remembered.n_model_shards, shape_of(remembered.n_model_shards), fsdp_options,
+            fuse_options) and remembered.n_model_shards in shard_counts:
+        plan, source, _, mesh = trace(remembered)
+        return dataclasses.replace(build_layout(recipe, remembered, mesh, plan, state, source),
+                                   reason="remembered")
 
     if len(shard_counts) == 1:
         n = shard_counts[0]

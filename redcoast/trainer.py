@@ -1,5 +1,6 @@
 """The training loop around one jitted, sharded step."""
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
@@ -13,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from . import validate
+from . import layout_memory, validate
 from .abstract import is_abstract, placed, shapes_of
 from .launch import heartbeat
 from .memory_check import StepMemory, require_fits
@@ -174,10 +175,26 @@ class Trainer:
         deployer = self.deployer
         shard_counts = (deployer.model_shard_candidates() if deployer.n_model_shards_requested == "auto"
                         else [deployer.n_model_shards])
+        memory, key, remembered = self._layout_memory(shard_counts, batch_for)
+        started = time.perf_counter()
         layout = choose_layout(
             self.recipe, self._state, self._train_rng, shard_counts, self._options["fsdp"],
             self._options["fuse_matmuls"], lambda mesh: _abstract(batch_for(mesh)),
-            deployer.mesh_for, deployer.device_memory_budget(), deployer.platform)
+            deployer.mesh_for, deployer.device_memory_budget(), deployer.platform, remembered)
+        if layout.reason == "remembered":
+            layout = dataclasses.replace(layout, reason=(
+                f"remembered from the run that chose it in {memory} (the same model, batch, devices "
+                "and options); delete that file to compare the candidates again"))
+        elif len(layout.considered) > 1:
+            if memory is not None:
+                layout_memory.remember(os.path.dirname(memory), key, layout.candidate, layout.reason)
+            deployer.log_info(
+                f"choosing the layout compiled {len(layout.considered)} candidate steps in "
+                f"{time.perf_counter() - started:.1f} s"
+                + (f"; the choice is remembered in {memory} for the next run" if memory else
+                   "; a workdir would remember it for the next run")
+                + f" (fsdp={layout.candidate.fsdp}, fuse_matmuls={layout.candidate.fuse_matmuls} "
+                "in the Trainer skip the comparison).")
         self._adopt(layout)
         if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
             deployer.log_warning(f"sharding plan from {layout.source}")
@@ -192,6 +209,22 @@ class Trainer:
                                   title="Layout (candidates compiled for the first batch)")
             deployer.log_info(layout.plan.table(), title=f"Sharding plan (from {layout.source})")
             deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
+
+    def _layout_memory(self, shard_counts, batch_for):
+        """``(path of the workdir's layout.json or None, key, remembered candidate or None)``."""
+        workdir = self.deployer.workdir
+        if workdir is None or "://" in str(workdir):  # remote workdirs: chosen each run
+            return None, None, None
+        options = {"shard_counts": list(shard_counts), "fsdp": list(self._options["fsdp"]),
+                   "fuse_matmuls": list(self._options["fuse_matmuls"]),
+                   "compute_dtype": str(jnp.dtype(self.compute_dtype)),
+                   "accumulate": self.accumulate_grad_batches,
+                   "budget": self.deployer.device_memory_budget(),
+                   "own_train_step": self.recipe.train_step_fn is not None}
+        key = layout_memory.layout_key(self._state.params, _abstract(batch_for(self.layout.mesh)),
+                                       jax.devices(), options)
+        return (os.path.join(workdir, layout_memory.FILE), key,
+                layout_memory.recall(workdir, key, Candidate))
 
     def _adopt(self, layout):
         """Run in ``layout`` from now on: the state and random keys move to it (donated: a model
