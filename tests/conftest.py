@@ -9,10 +9,9 @@ simulate_cpu_devices(8)
 
 
 # The default suite runs twice in CI (Python 3.11 and 3.12) and must stay under 15 minutes on
-# 2 cores; these run with the slow tests (`-m slow`). CI's slow step leaves them out for now
-# (`-m "slow and not run_once"`): with them it would pass CI's 90 minutes; until they are made
-# cheaper, run `python -m pytest -m run_once -n 2` before a change lands. Each keeps a representative in the
-# default suite where one is named (test function -> the parameter ids that stay), or none.
+# 2 cores; these run once, in CI's third step (jax 0.11, `-m run_once`: about 12 minutes on two
+# workers), and with the slow tests (`-m slow`). Each keeps a representative in the default
+# suite where one is named (test function -> the parameter ids that stay), or none.
 # Figures: seconds each took in the default suite (2026-11-25, 2 cores).
 import pytest  # noqa: E402
 

@@ -187,4 +187,7 @@ def test_remat_gives_the_same_output(tiny_classifier):
     loss = lambda m: lambda p: m.apply(p, ids, mask, types).sum()  # noqa: E731
     g1 = jax.jit(jax.grad(loss(model)))(params)
     g2 = jax.jit(jax.grad(loss(remat)))(params)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g2)
+    # recomputation fuses differently: fp32 reordering noise, measured against each leaf's scale
+    # (its largest gradients are ~3.5 here; jax 0.11 differs by 1.5e-6 there, 4e-7 of the scale)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max()))), g1, g2)
