@@ -129,6 +129,32 @@ def test_generation_matches_transformers(plain, num_beams):
     same_tokens(got, want, eos, pad=1)
 
 
+@pytest.mark.parametrize("options", [  # two in the slow step: the default suite is near its time
+    dict(no_repeat_ngram_size=2), pytest.param(dict(repetition_penalty=1.8), marks=pytest.mark.slow),
+    dict(forced_bos_token_id=0, forced_eos_token_id=2),
+    pytest.param(dict(min_new_tokens=6), marks=pytest.mark.slow)],
+    ids=["no_repeat_bigrams", "repetition_penalty", "forced_bos_eos", "min_new_tokens"])
+def test_logits_processors_match_transformers(plain, options):
+    """transformers' processors on the decoder, whose history starts with the start token."""
+    ref, _, model, params, _ = plain
+    ids, mask, _, _ = batch(2)
+    free = _hf_generate(ref, ids, mask, num_beams=1, max_new_tokens=10, eos_token_id=None)
+    # min_new_tokens: an EOS the model gives early; otherwise one it never gives (whole rows)
+    eos = int(free[1, 2]) if "min_new_tokens" in options else next(
+        t for t in range(3, 64) if t not in free)
+    with torch.no_grad():
+        want = ref.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                            do_sample=False, pad_token_id=1, max_new_tokens=10, eos_token_id=eos,
+                            **{"forced_bos_token_id": None, "forced_eos_token_id": None,
+                               "no_repeat_ngram_size": 0, **options}).numpy()[:, 1:]
+    got = generate(model, params, ids, mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=1,
+                   **options)
+    plain_got = generate(model, params, ids, mask, max_new_tokens=10, eos_token_id=eos,
+                         pad_token_id=1)
+    assert not np.array_equal(got, plain_got), "the option changed nothing here: a useless test"
+    same_tokens(got, want, eos, pad=1)
+
+
 def test_round_trip_through_transformers_is_exact(plain, tmp_path):
     ref, _, model, params, _ = plain
     check_round_trip(ref, model, params, transformers.BartForConditionalGeneration, tmp_path)

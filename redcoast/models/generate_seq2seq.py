@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from .generate import SearchConfig, decode, last_logits
+from .generate import SearchConfig, decode, last_logits, model_defaults
 
 
 def seq2seq_step(model):
@@ -50,7 +50,8 @@ def _generate(model, cfg, start_id, params, input_ids, attention_mask, rng):
     start = jnp.full((batch, 1), start_id, jnp.int32)
     logits, cache = seq2seq_step(model)(params, start, None, key_mask, cache, jnp.int32(0), extra)
     return decode(seq2seq_step(model), params, logits, cache, key_mask,
-                  jnp.ones((batch,), jnp.int32), jnp.int32(1), extra, config=cfg, rng=rng)
+                  jnp.ones((batch,), jnp.int32), jnp.int32(1), extra, config=cfg, rng=rng,
+                  context=start)
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,22 +62,28 @@ def _jitted(model, cfg, start_id):
 def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, do_sample=False,
              temperature=1.0, top_k=0, top_p=1.0, num_beams=1, length_penalty=1.0,
              early_stopping=False, eos_token_id=None, pad_token_id=None,
-             decoder_start_token_id=None, rng=None):
+             decoder_start_token_id=None, repetition_penalty=1.0, min_new_tokens=0,
+             no_repeat_ngram_size=0, forced_bos_token_id=None, forced_eos_token_id=None,
+             stop_sequences=(), rng=None):
     """Decoder tokens for a batch of inputs: int32 [B, max_new_tokens] (the start token not
     included), each row padded with ``pad_token_id`` after its first EOS.
 
-    ``eos_token_id``, ``pad_token_id`` and ``decoder_start_token_id`` default to the model
-    config's. The search options are :func:`redcoast.models.generate.generate`'s: greedy by
-    default, ``do_sample=True`` (with ``rng``), ``num_beams > 1`` for beam search. Works inside
-    a jitted ``pred_fn`` and called directly (compiled once per model, setting and shape).
+    ``eos_token_id`` and ``pad_token_id`` default as in :func:`redcoast.models.generate.generate`
+    (the folder's generation_config.json, then the config), ``decoder_start_token_id`` to the
+    config's. The search options and transformers' processors are that function's (the
+    decoder's history for the processors starts with the start token): greedy by default,
+    ``do_sample=True`` (with ``rng``), ``num_beams > 1`` for beam search. Works inside a jitted
+    ``pred_fn`` and called directly (compiled once per model, setting and shape).
     """
     config = model.config
+    eos, pad = model_defaults(model, eos_token_id, pad_token_id)
     cfg = SearchConfig.make(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
         top_p=top_p, num_beams=num_beams, length_penalty=length_penalty,
-        early_stopping=early_stopping,
-        eos_token_id=config.eos_token_id if eos_token_id is None else eos_token_id,
-        pad_token_id=config.pad_token_id if pad_token_id is None else pad_token_id)
+        early_stopping=early_stopping, eos_token_id=eos, pad_token_id=pad,
+        repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
+        no_repeat_ngram_size=no_repeat_ngram_size, forced_bos_token_id=forced_bos_token_id,
+        forced_eos_token_id=forced_eos_token_id, stop_sequences=stop_sequences)
     start_id = config.decoder_start_token_id if decoder_start_token_id is None else (
         decoder_start_token_id)
     if cfg.do_sample and rng is None:
