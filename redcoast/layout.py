@@ -251,7 +251,7 @@ def candidates_at(n_model_shards, n_data_shards, fsdp_options, fuse_options):
 
 
 def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, batch_for,
-                  make_mesh, budget_bytes, platform, remembered=None):
+                  make_mesh, budget_bytes, platform, recall=None):
     """The final :class:`Layout` for ``state``: among the candidates (``shard_counts`` x
     ``fsdp_options`` x ``fuse_options``) the fastest that fits ``budget_bytes`` per device.
 
@@ -261,8 +261,9 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     where they are options), from the fewest shards up, stopping once a count that fits costs
     more per example than the one before; a count over which the plan splits nothing is not
     measured (its devices would repeat the same work); the other settings are compared at the
-    best count only. A few compilations at the first batch in all; none but its own for a
-    ``remembered`` candidate (layout_memory.py) that is among those allowed.
+    best count only. A few compilations at the first batch in all; none but its own for the
+    candidate ``recall(first batch on the mesh of the fewest shards)`` returns, a remembered
+    choice (layout_memory.py), where it is among those allowed.
     """
     traced = {}  # Candidate -> (plan, source, abstract batch, mesh)
     batches = {}  # n_model_shards -> (mesh, the first batch on it): collated once per mesh
@@ -291,6 +292,13 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     def shape_of(n):  # data shards with n model shards
         return make_mesh(n).shape["dp"]
 
+    remembered = None
+    if recall is not None:  # the first batch, collated once: tracing takes it from here
+        n = min(shard_counts)
+        if n not in batches:
+            mesh = make_mesh(n)
+            batches[n] = mesh, batch_for(mesh)
+        remembered = recall(batches[n][1])
     if remembered is not None and remembered in candidates_at(
             remembered.n_model_shards, shape_of(remembered.n_model_shards), fsdp_options,
             fuse_options) and remembered.n_model_shards in shard_counts:

@@ -175,19 +175,20 @@ class Trainer:
         deployer = self.deployer
         shard_counts = (deployer.model_shard_candidates() if deployer.n_model_shards_requested == "auto"
                         else [deployer.n_model_shards])
-        memory, key, remembered = self._layout_memory(shard_counts, batch_for)
+        memory, recall, keys = self._layout_memory(shard_counts)
         started = time.perf_counter()
         layout = choose_layout(
             self.recipe, self._state, self._train_rng, shard_counts, self._options["fsdp"],
             self._options["fuse_matmuls"], lambda mesh: _abstract(batch_for(mesh)),
-            deployer.mesh_for, deployer.device_memory_budget(), deployer.platform, remembered)
+            deployer.mesh_for, deployer.device_memory_budget(), deployer.platform, recall)
         if layout.reason == "remembered":
             layout = dataclasses.replace(layout, reason=(
                 f"remembered from the run that chose it in {memory} (the same model, batch, devices "
                 "and options); delete that file to compare the candidates again"))
         elif len(layout.considered) > 1:
             if memory is not None:
-                layout_memory.remember(os.path.dirname(memory), key, layout.candidate, layout.reason)
+                layout_memory.remember(os.path.dirname(memory), keys[0], layout.candidate,
+                                       layout.reason)
             deployer.log_info(
                 f"choosing the layout compiled {len(layout.considered)} candidate steps in "
                 f"{time.perf_counter() - started:.1f} s"
@@ -210,21 +211,24 @@ class Trainer:
             deployer.log_info(layout.plan.table(), title=f"Sharding plan (from {layout.source})")
             deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
 
-    def _layout_memory(self, shard_counts, batch_for):
-        """``(path of the workdir's layout.json or None, key, remembered candidate or None)``."""
+    def _layout_memory(self, shard_counts):
+        """``(path of the workdir's layout.json or None, recall, keys)``: ``recall(first batch)``
+        gives the remembered candidate or None, and appends the run's key to ``keys``."""
         workdir = self.deployer.workdir
         if workdir is None or "://" in str(workdir):  # remote workdirs: chosen each run
-            return None, None, None
+            return None, None, []
         options = {"shard_counts": list(shard_counts), "fsdp": list(self._options["fsdp"]),
                    "fuse_matmuls": list(self._options["fuse_matmuls"]),
                    "compute_dtype": str(jnp.dtype(self.compute_dtype)),
                    "accumulate": self.accumulate_grad_batches,
                    "budget": self.deployer.device_memory_budget(),
                    "own_train_step": self.recipe.train_step_fn is not None}
-        key = layout_memory.layout_key(self._state.params, _abstract(batch_for(self.layout.mesh)),
-                                       jax.devices(), options)
-        return (os.path.join(workdir, layout_memory.FILE), key,
-                layout_memory.recall(workdir, key, Candidate))
+        keys = []
+
+        def recall(batch):
+            keys.append(layout_memory.layout_key(self._state.params, batch, jax.devices(), options))
+            return layout_memory.recall(workdir, keys[-1], Candidate)
+        return os.path.join(workdir, layout_memory.FILE), recall, keys
 
     def _adopt(self, layout):
         """Run in ``layout`` from now on: the state and random keys move to it (donated: a model
