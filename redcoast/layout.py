@@ -251,7 +251,7 @@ def candidates_at(n_model_shards, n_data_shards, fsdp_options, fuse_options):
 
 
 def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, batch_for,
-                  make_mesh, budget_bytes, platform, recall=None):
+                  make_mesh, budget_bytes, platform, memory=None):
     """The final :class:`Layout` for ``state``: among the candidates (``shard_counts`` x
     ``fsdp_options`` x ``fuse_options``) the fastest that fits ``budget_bytes`` per device.
 
@@ -261,9 +261,10 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     where they are options), from the fewest shards up, stopping once a count that fits costs
     more per example than the one before; a count over which the plan splits nothing is not
     measured (its devices would repeat the same work); the other settings are compared at the
-    best count only. A few compilations at the first batch in all; none but its own for the
-    candidate ``recall(first batch on the mesh of the fewest shards)`` returns, a remembered
-    choice (layout_memory.py), where it is among those allowed.
+    best count only. A few compilations at the first batch in all. With a ``memory``
+    (layout_memory.LayoutMemory), a choice it remembers for these parameters and this first
+    batch (on the mesh of the fewest shards) is taken without compiling any other, where it is
+    among those allowed; a choice made by comparing is remembered there.
     """
     traced = {}  # Candidate -> (plan, source, abstract batch, mesh)
     batches = {}  # n_model_shards -> (mesh, the first batch on it): collated once per mesh
@@ -293,18 +294,21 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
         return make_mesh(n).shape["dp"]
 
     remembered = None
-    if recall is not None:  # the first batch, collated once: tracing takes it from here
+    if memory is not None:  # the first batch, collated once: tracing takes it from here
         n = min(shard_counts)
         if n not in batches:
             mesh = make_mesh(n)
             batches[n] = mesh, batch_for(mesh)
-        remembered = recall(batches[n][1])
+        first_batch = batches[n][1]
+        remembered = memory.recall(state.params, first_batch, Candidate)
     if remembered is not None and remembered in candidates_at(
             remembered.n_model_shards, shape_of(remembered.n_model_shards), fsdp_options,
             fuse_options) and remembered.n_model_shards in shard_counts:
         plan, source, _, mesh = trace(remembered)
-        return dataclasses.replace(build_layout(recipe, remembered, mesh, plan, state, source),
-                                   reason="remembered")
+        return dataclasses.replace(
+            build_layout(recipe, remembered, mesh, plan, state, source),
+            reason=f"remembered from the run that chose it in {memory.path} (the same model, "
+                   "batch, devices and options); delete that file to compare the candidates again")
 
     if len(shard_counts) == 1:
         n = shard_counts[0]
@@ -359,6 +363,8 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     i, why = choose(estimates, budget_bytes)
     chosen = compared[i]
     table = format_table(compared, estimates, i, budget_bytes)
+    if memory is not None and len(compared) > 1:
+        memory.remember(state.params, first_batch, chosen, why)
     if skipped:
         table += (f"\nmp={', '.join(map(str, skipped))}: not compared, the model has nothing to "
                   "split over that many model shards")

@@ -20,44 +20,53 @@ import numpy as np
 FILE = "layout.json"
 
 
-def layout_key(params, batch, devices, options):
-    """A digest of what the choice depends on: the parameters' and the first batch's paths,
-    shapes and dtypes (abstract or concrete), the devices (kind, count, processes), the
-    candidates allowed (``options``: any JSON-able value, e.g. the fsdp / fusion choices, the
-    shard counts, the compute dtype, the memory budget) and the jax version."""
-    def shapes(tree):
-        return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-                for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
-    kinds = sorted({getattr(d, "device_kind", d.platform) for d in devices})
-    record = {"params": shapes(params), "batch": shapes(batch), "devices": kinds,
-              "n_devices": len(devices), "n_processes": jax.process_count(), "options": options,
-              "jax": jax.__version__}
-    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
+@dataclasses.dataclass(frozen=True)
+class LayoutMemory:
+    """Where a run's choice is kept (``path``) and what, besides the parameters and the first
+    batch, it was chosen for (``options``: any JSON-able value, e.g. the fsdp / fusion choices,
+    the shard counts, the compute dtype, the memory budget)."""
+    path: str
+    options: dict
 
+    @classmethod
+    def in_workdir(cls, workdir, options):
+        return cls(os.path.join(workdir, FILE), options)
 
-def recall(workdir, key, candidate_type):
-    """The candidate remembered in ``workdir`` for ``key`` (``candidate_type(**fields)``), or
-    None: no file, another key, or a file that cannot be read (then the choice is made again)."""
-    path = os.path.join(workdir, FILE)
-    try:
-        with open(path) as f:
-            record = json.load(f)
-        if record.get("key") != key:
+    def key(self, params, batch):
+        """A digest of what the choice depends on: the parameters' and the first batch's paths,
+        shapes and dtypes (abstract or concrete), the devices (kind, count, processes), the
+        options and the jax version."""
+        def shapes(tree):
+            return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+        devices = jax.devices()
+        record = {"params": shapes(params), "batch": shapes(batch),
+                  "devices": sorted({getattr(d, "device_kind", d.platform) for d in devices}),
+                  "n_devices": len(devices), "n_processes": jax.process_count(),
+                  "options": self.options, "jax": jax.__version__}
+        return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
+
+    def recall(self, params, batch, candidate_type):
+        """The candidate remembered for this key (``candidate_type(**fields)``), or None: no
+        file, another key, or a file that cannot be read (then the choice is made again)."""
+        try:
+            with open(self.path) as f:
+                record = json.load(f)
+            if record.get("key") != self.key(params, batch):
+                return None
+            return candidate_type(**record["candidate"])
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        return candidate_type(**record["candidate"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
-
-def remember(workdir, key, candidate, reason):
-    """Write ``candidate`` (a dataclass) as the choice for ``key`` (process 0; whole or not at
-    all)."""
-    if jax.process_index() != 0:
-        return
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, FILE)
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump({"key": key, "candidate": dataclasses.asdict(candidate), "reason": reason,
-                   "chosen_at": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
-    os.replace(temporary, path)
+    def remember(self, params, batch, candidate, reason):
+        """Write ``candidate`` (a dataclass) as the choice for this key (process 0; whole or not
+        at all)."""
+        if jax.process_index() != 0:
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        temporary = f"{self.path}.tmp-{os.getpid()}"
+        with open(temporary, "w") as f:
+            json.dump({"key": self.key(params, batch), "candidate": dataclasses.asdict(candidate),
+                       "reason": reason, "chosen_at": time.strftime("%Y-%m-%d %H:%M:%S")},
+                      f, indent=1)
+        os.replace(temporary, self.path)

@@ -1,6 +1,5 @@
 """The training loop around one jitted, sharded step."""
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
@@ -14,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from . import layout_memory, validate
+from . import validate
 from .abstract import is_abstract, placed, shapes_of
 from .launch import heartbeat
 from .memory_check import StepMemory, require_fits
@@ -34,7 +33,8 @@ from .preemption import PreemptionGuard
 from .sharding.dataflow import FALLBACK
 from .throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
 from .train_state import TrainState
-from .workdir import WorkdirLock, agree, move_aside
+from .layout_memory import LayoutMemory
+from .workdir import WorkdirLock, agree, is_url, move_aside
 
 
 class Trainer:
@@ -175,24 +175,17 @@ class Trainer:
         deployer = self.deployer
         shard_counts = (deployer.model_shard_candidates() if deployer.n_model_shards_requested == "auto"
                         else [deployer.n_model_shards])
-        memory, recall, keys = self._layout_memory(shard_counts)
+        memory = self._layout_memory(shard_counts)
         started = time.perf_counter()
         layout = choose_layout(
             self.recipe, self._state, self._train_rng, shard_counts, self._options["fsdp"],
             self._options["fuse_matmuls"], lambda mesh: _abstract(batch_for(mesh)),
-            deployer.mesh_for, deployer.device_memory_budget(), deployer.platform, recall)
-        if layout.reason == "remembered":
-            layout = dataclasses.replace(layout, reason=(
-                f"remembered from the run that chose it in {memory} (the same model, batch, devices "
-                "and options); delete that file to compare the candidates again"))
-        elif len(layout.considered) > 1:
-            if memory is not None:
-                layout_memory.remember(os.path.dirname(memory), keys[0], layout.candidate,
-                                       layout.reason)
+            deployer.mesh_for, deployer.device_memory_budget(), deployer.platform, memory)
+        if len(layout.considered) > 1:
             deployer.log_info(
                 f"choosing the layout compiled {len(layout.considered)} candidate steps in "
                 f"{time.perf_counter() - started:.1f} s"
-                + (f"; the choice is remembered in {memory} for the next run" if memory else
+                + (f"; the choice is remembered in {memory.path} for the next run" if memory else
                    "; a workdir would remember it for the next run")
                 + f" (fsdp={layout.candidate.fsdp}, fuse_matmuls={layout.candidate.fuse_matmuls} "
                 "in the Trainer skip the comparison).")
@@ -212,23 +205,18 @@ class Trainer:
             deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
 
     def _layout_memory(self, shard_counts):
-        """``(path of the workdir's layout.json or None, recall, keys)``: ``recall(first batch)``
-        gives the remembered candidate or None, and appends the run's key to ``keys``."""
+        """Where this run's layout choice is remembered (the workdir's layout.json), with what
+        it depends on besides the parameters and the batch; None without a local workdir."""
         workdir = self.deployer.workdir
-        if workdir is None or "://" in str(workdir):  # remote workdirs: chosen each run
-            return None, None, []
+        if workdir is None or is_url(workdir):  # remote workdirs: chosen each run
+            return None
         options = {"shard_counts": list(shard_counts), "fsdp": list(self._options["fsdp"]),
                    "fuse_matmuls": list(self._options["fuse_matmuls"]),
                    "compute_dtype": str(jnp.dtype(self.compute_dtype)),
                    "accumulate": self.accumulate_grad_batches,
                    "budget": self.deployer.device_memory_budget(),
                    "own_train_step": self.recipe.train_step_fn is not None}
-        keys = []
-
-        def recall(batch):
-            keys.append(layout_memory.layout_key(self._state.params, batch, jax.devices(), options))
-            return layout_memory.recall(workdir, keys[-1], Candidate)
-        return os.path.join(workdir, layout_memory.FILE), recall, keys
+        return LayoutMemory.in_workdir(workdir, options)
 
     def _adopt(self, layout):
         """Run in ``layout`` from now on: the state and random keys move to it (donated: a model

@@ -301,6 +301,7 @@ def test_launch_an_early_exit_0_is_a_failure_named(tmp_path):
     assert "[1] leaving early" in out.split("FAILED")[1]  # its own output in the report
 
 
+@pytest.mark.slow  # 13 s: two jax.distributed processes
 def test_launch_a_script_returning_early_under_jax_distributed_is_named(tmp_path):
     """Process 1 leaves right after Deployer(...): JAX's exit handler then holds it alive in the
     shutdown barrier, waiting for process 0 (which waits for it in a collective), so its exit

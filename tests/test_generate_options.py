@@ -3,6 +3,7 @@ penalty, min_new_tokens, no-repeat n-grams, forced BOS / EOS) against transforme
 the same random tiny Llama; stop sequences and stop strings against their definition."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from redcoast.errors import ConfigError
 from redcoast.models import Model, llama
 from redcoast.models.generate import cut_at_stop_strings, generate
-from test_generate import PAD, TINY, free_greedy, needs_torch, tiny  # noqa: F401 (fixtures)
+from test_generate import (IDS, MASK, PAD, TINY, free_greedy, hf_generate,  # noqa: F401 (fixtures)
+                           needs_torch, tiny)
 
 # Unpadded prompts of one length: transformers counts the prompt's pad tokens in its history
 # (penalised, in n-grams), redcoast only real tokens; without padding the two agree.
@@ -51,10 +53,12 @@ OPTIONS = {
     "forced_eos": dict(forced_eos_token_id=7),
     "together": dict(repetition_penalty=1.3, no_repeat_ngram_size=3, forced_eos_token_id=[7, 8]),
 }
+IN_DEFAULT_SUITE = {"together"}  # the others, a few seconds each, in the slow step
 
 
 @needs_torch
-@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize("name", [n if n in IN_DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in OPTIONS])
 def test_each_option_equals_transformers(tiny, name):
     reference, model, params = tiny
     options = OPTIONS[name]
@@ -65,6 +69,7 @@ def test_each_option_equals_transformers(tiny, name):
 
 
 @needs_torch
+@pytest.mark.slow  # 9 s
 def test_min_new_tokens_and_forced_bos_equal_transformers(tiny):
     reference, model, params = tiny
     eos = early_token(model, params)
@@ -92,7 +97,6 @@ def test_eos_and_pad_default_to_the_folders_generation_config(tiny, free_greedy,
     (folder / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": [eos, 94], "pad_token_id": PAD}))
     model, params = from_pretrained(folder)
-    from test_generate import IDS, MASK, hf_generate
     tokens = generate(model, params, IDS, MASK, max_new_tokens=8)  # no option given
     expected = hf_generate(reference, eos_token_id=[eos, 94])
     assert (expected == PAD).any()
@@ -101,7 +105,6 @@ def test_eos_and_pad_default_to_the_folders_generation_config(tiny, free_greedy,
 
 def test_eos_defaults_to_the_models_config_and_empty_means_none(tiny, free_greedy):
     _, model, params = tiny
-    from test_generate import IDS, MASK
     eos = int(free_greedy[1, 3])
     config = llama.LlamaConfig(**{**TINY, "eos_token_id": eos, "pad_token_id": PAD})
     with_eos = Model(llama.LlamaForCausalLM, config)
@@ -115,7 +118,6 @@ def test_eos_defaults_to_the_models_config_and_empty_means_none(tiny, free_greed
 
 def test_stop_sequences_end_a_row_like_eos(tiny, free_greedy):
     _, model, params = tiny
-    from test_generate import IDS, MASK
     stop = [int(t) for t in free_greedy[0, 2:4]]
     tokens = np.asarray(generate(model, params, IDS, MASK, max_new_tokens=8, eos_token_id=(),
                                  pad_token_id=PAD, stop_sequences=[stop, [93, 93, 93]]))
@@ -139,7 +141,6 @@ class Letters:
 
 def test_stop_strings_cut_each_row_after_the_token_that_completes_them(tiny, free_greedy):
     _, model, params = tiny
-    from test_generate import IDS, MASK
     text = Letters.decode(free_greedy[2])
     stop = text[3:5]  # ends at token 4 of row 2
     tokens = generate(model, params, IDS, MASK, max_new_tokens=8, eos_token_id=(),
@@ -153,7 +154,6 @@ def test_stop_strings_cut_each_row_after_the_token_that_completes_them(tiny, fre
 
 def test_option_errors_name_the_fix(tiny):
     _, model, params = tiny
-    from test_generate import IDS, MASK
     cases = [(dict(repetition_penalty=0.0), "repetition_penalty=0.0; it must be > 0"),
              (dict(min_new_tokens=-1), "min_new_tokens=-1; it must be an integer >= 0"),
              (dict(min_new_tokens=9), "min_new_tokens=9 is more than max_new_tokens=8"),
@@ -162,7 +162,7 @@ def test_option_errors_name_the_fix(tiny):
              (dict(stop_strings=["x"]), "stop_strings needs tokenizer"),
              (dict(forced_eos_token_id="x"), "forced_eos_token_id='x'; give a token id")]
     for options, message in cases:
-        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             generate(model, params, IDS, MASK, max_new_tokens=8, **options)
 
 

@@ -129,8 +129,9 @@ def test_generation_matches_transformers(plain, num_beams):
     same_tokens(got, want, eos, pad=1)
 
 
-@pytest.mark.parametrize("options", [  # two in the slow step: the default suite is near its time
-    dict(no_repeat_ngram_size=2), pytest.param(dict(repetition_penalty=1.8), marks=pytest.mark.slow),
+@pytest.mark.parametrize("options", [  # three in the slow step: the default suite is near its time
+    pytest.param(dict(no_repeat_ngram_size=2), marks=pytest.mark.slow),
+    pytest.param(dict(repetition_penalty=1.8), marks=pytest.mark.slow),
     dict(forced_bos_token_id=0, forced_eos_token_id=2),
     pytest.param(dict(min_new_tokens=6), marks=pytest.mark.slow)],
     ids=["no_repeat_bigrams", "repetition_penalty", "forced_bos_eos", "min_new_tokens"])

@@ -2,13 +2,13 @@
 transformers' ``AutoTokenizer`` and ``GenerationConfig`` load it as they load the source:
 ``generation_config.json`` (the model's generation defaults) and the tokenizer's files."""
 
-import json
 import os
 
 import jax
 import numpy as np
 
 from ..errors import ConfigError
+from .hf import write_json
 
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
@@ -41,7 +41,7 @@ def write_tokenizer(folder, tokenizer, model, config):
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(folder)
         return
-    if not (hasattr(tokenizer, "to_str") and hasattr(tokenizer, "id_to_token")):
+    if not (hasattr(tokenizer, "save") and hasattr(tokenizer, "id_to_token")):
         raise ConfigError(f"save_pretrained(tokenizer=...) takes a transformers tokenizer or a "
                           f"tokenizers.Tokenizer, not {type(tokenizer).__name__}.")
     template = getattr(model, "chat_template", None)
@@ -60,17 +60,5 @@ def write_tokenizer(folder, tokenizer, model, config):
         tokenizer_config["model_max_length"] = int(config["max_position_embeddings"])
     if template is not None:
         tokenizer_config["chat_template"] = template.source
-    write_text(os.path.join(folder, "tokenizer.json"), tokenizer.to_str())
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
     write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config)
-
-
-def write_json(path, value):
-    write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
-
-
-def write_text(path, text):
-    """Write ``text`` whole or not at all (a temporary file renamed)."""
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(temporary, path)

@@ -81,18 +81,17 @@ class SearchConfig:
         if any(len(seq) == 0 for seq in stops):
             raise ConfigError("stop_sequences has an empty sequence; each must hold token ids "
                               "(for text, use stop_strings with a tokenizer).")
-        processors = (repetition_penalty != 1.0, min_new_tokens, no_repeat_ngram_size,
-                      forced_bos_token_id is not None, forced_eos_token_id is not None, stops)
-        if num_beams > 1 and any(processors):
+        cfg = cls(int(max_new_tokens), bool(do_sample), float(temperature), int(top_k),
+                  float(top_p), int(num_beams), float(length_penalty), early_stopping,
+                  _token_ids(eos_token_id, "eos_token_id"), int(pad_token_id),
+                  float(repetition_penalty), int(min_new_tokens), int(no_repeat_ngram_size),
+                  None if forced_bos_token_id is None else int(forced_bos_token_id),
+                  _token_ids(forced_eos_token_id, "forced_eos_token_id"), stops)
+        if cfg.num_beams > 1 and (processors.any_active(cfg) or cfg.stop_sequences):
             raise ConfigError("repetition_penalty, min_new_tokens, no_repeat_ngram_size, forced "
                               "BOS/EOS and stop_sequences work with greedy decoding and sampling, "
                               "not yet with beam search. Fix: use num_beams=1 with them.")
-        return cls(int(max_new_tokens), bool(do_sample), float(temperature), int(top_k),
-                   float(top_p), int(num_beams), float(length_penalty), early_stopping,
-                   _token_ids(eos_token_id, "eos_token_id"), int(pad_token_id),
-                   float(repetition_penalty), int(min_new_tokens), int(no_repeat_ngram_size),
-                   None if forced_bos_token_id is None else int(forced_bos_token_id),
-                   _token_ids(forced_eos_token_id, "forced_eos_token_id"), stops)
+        return cfg
 
 
 def _token_ids(value, name):
@@ -367,6 +366,10 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     if stop_strings and tokenizer is None:
         raise ConfigError("stop_strings needs tokenizer=... (what turns the new tokens into text, "
                           "e.g. the tokenizer from_gguf returns).")
+    if stop_strings and isinstance(input_ids, jax.core.Tracer):
+        raise ConfigError("stop_strings are matched on the host, so generate cannot apply them "
+                          "inside a jitted function (a pred_fn). Fix: call cut_at_stop_strings("
+                          "tokens, tokenizer, stop_strings, pad_token_id) on the predictions.")
     if np.ndim(input_ids) != 2 or np.shape(input_ids)[1] == 0:
         raise DataError(f"input_ids has shape {np.shape(input_ids)}; generate expects [batch, "
                         "prompt length >= 1] (use left_pad to batch token lists).")
@@ -378,10 +381,6 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     tokens = _jitted(model, cfg)(params, jnp.asarray(input_ids), attention_mask, rng)
     if not stop_strings:
         return tokens
-    if isinstance(tokens, jax.core.Tracer):
-        raise ConfigError("stop_strings are matched on the host, so generate cannot apply them "
-                          "inside a jitted function (a pred_fn). Fix: call cut_at_stop_strings("
-                          "tokens, tokenizer, stop_strings, pad_token_id) on the predictions.")
     return cut_at_stop_strings(np.asarray(tokens), tokenizer, stop_strings, pad)
 
 

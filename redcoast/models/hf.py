@@ -213,11 +213,12 @@ def save_folder(folder, config, tensors, max_shard_bytes=None):
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(nbytes(e) for e in entries)},
                  "weight_map": {e[0]: n for n, g in zip(names, groups) for e in g}}
-        _write_json(os.path.join(folder, INDEX_FILE), index)
-    _write_json(os.path.join(folder, "config.json"), config)
+        write_json(os.path.join(folder, INDEX_FILE), index)
+    write_json(os.path.join(folder, "config.json"), config)
 
 
-def _write_json(path, obj):
+def write_json(path, obj):
+    """Write ``obj`` as JSON whole or not at all (a temporary file renamed)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)

@@ -55,9 +55,14 @@ def banned_by_ngrams(ids, valid, end, n, vocab):
     return jnp.zeros((ids.shape[0], vocab), bool).at[rows, windows[..., -1]].max(matches)
 
 
+def token_mask(vocab, token_ids):
+    """bool [V]: True at ``token_ids``."""
+    return jnp.zeros(vocab, bool).at[jnp.asarray(token_ids)].set(True)
+
+
 def only(logits, token_ids):
     """Logits that force one of ``token_ids``: 0 there, -inf everywhere else."""
-    keep = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(token_ids)].set(True)
+    keep = token_mask(logits.shape[-1], token_ids)
     return jnp.broadcast_to(jnp.where(keep, 0.0, -jnp.inf).astype(logits.dtype), logits.shape)
 
 
@@ -71,7 +76,7 @@ def process(logits, cfg, i, ids, valid, context_width):
         banned = banned_by_ngrams(ids, valid, end, cfg.no_repeat_ngram_size, logits.shape[-1])
         logits = jnp.where(banned, -jnp.inf, logits)
     if cfg.min_new_tokens > 0 and cfg.eos_token_id:
-        eos = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(cfg.eos_token_id)].set(True)
+        eos = token_mask(logits.shape[-1], cfg.eos_token_id)
         logits = jnp.where(eos & (i < cfg.min_new_tokens), -jnp.inf, logits)
     if cfg.forced_bos_token_id is not None:
         logits = jnp.where(end == 1, only(logits, [cfg.forced_bos_token_id]), logits)

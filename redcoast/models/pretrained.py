@@ -336,6 +336,6 @@ def save_pretrained(model, params, folder, max_shard_bytes=None, *, tokenizer=No
         return
     defaults = folder_extras.generation_config(model, config, generation_config)
     if defaults:
-        folder_extras.write_json(os.path.join(folder, "generation_config.json"), defaults)
+        hf.write_json(os.path.join(folder, "generation_config.json"), defaults)
     if tokenizer is not None:
         folder_extras.write_tokenizer(folder, tokenizer, model, config)
