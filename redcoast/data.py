@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .errors import DataError
+from .errors import ConfigError, DataError
 from .stream_fingerprint import RunningFingerprint
 from .sharding.paths import key_to_str, path_to_str
 
@@ -123,22 +123,79 @@ class Stream:
             yield group
 
 
+class EpochData:
+    """One epoch's training examples in the order they are trained, handed out an update at a
+    time as ``(examples, indices)`` for :meth:`BatchMaker.make`: a sequence through its epoch
+    order (:func:`epoch_order`; nothing is read ahead), any other iterable as a :class:`Stream`
+    in the order it gives them. ``length`` is None for a stream (known once it has ended);
+    ``leftover``: the examples at the end that did not fill an update (not trained on)."""
+
+    def __init__(self, examples, seed, epoch, shuffle=True):
+        if is_sequence(examples):
+            self.stream, self.examples, self.length = None, examples, len(examples)
+            self.order = epoch_order(len(examples), seed, epoch, shuffle)
+        else:
+            self.stream = examples if isinstance(examples, Stream) else Stream(examples)
+            self.examples = self.order = self.length = None
+        self._start = 0  # of a sequence: the first example of its order not handed out yet
+        self.leftover = 0
+
+    @property
+    def endless(self):
+        return self.stream is not None and self.stream.endless
+
+    def first(self, n):
+        """The epoch's first ``n`` examples (fewer if a stream holds fewer), read ahead and
+        kept: ``(examples, indices)``."""
+        if self.stream is None:
+            return self.examples, self.order[:n]
+        head = self.stream.peek(n)
+        return head, np.arange(len(head))
+
+    def skip(self, n):
+        """Pass over the next ``n`` examples (a resume's fast-forward, nothing collated);
+        returns how many there were."""
+        if self.stream is not None:
+            return self.stream.skip(n)
+        skipped = min(n, self.length - self._start)
+        self._start += skipped
+        return skipped
+
+    def fingerprint(self, n):
+        """Of a stream's first ``n`` examples given or skipped (None for a sequence, whose
+        examples are fixed by their order)."""
+        return None if self.stream is None or not n else self.stream.fingerprint(n)
+
+    def updates(self, per_update):
+        """``(examples, indices)`` of each full update of ``per_update`` examples, in order."""
+        if self.stream is not None:
+            rows = np.arange(per_update)
+            for group in self.stream.updates(per_update):
+                yield group, rows
+            self.leftover = self.stream.leftover
+            return
+        n_updates, self.leftover = divmod(self.length - self._start, per_update)
+        for start in self._start + per_update * np.arange(n_updates):
+            yield self.examples, self.order[start:start + per_update]
+
+
 def _epoch_function(fn):
-    """``fn`` as a function of the epoch: ``fn(epoch_idx=epoch)`` when it names that argument (as
-    redco did), ``fn()`` when it takes no argument, else ``fn(epoch)``."""
+    """``fn`` as a function of the epoch: ``fn(epoch)``, or ``fn()`` when it takes no argument
+    (redco's ``fn(epoch_idx=...)`` is adapted in ``redcoast.compat``)."""
     try:
         signature = inspect.signature(fn)
-        signature.bind(0)
-    except TypeError:
+    except (TypeError, ValueError):  # no signature to read (some builtins): called with the epoch
+        return fn
+    for args in ((0,), ()):
         try:
-            signature.bind()
-            return lambda epoch: fn()
+            signature.bind(*args)
         except TypeError:
-            pass
-    except ValueError:  # no signature to read (some builtins): called with the epoch
-        pass
-    from .compat.calls import by_keyword  # redco's calling convention, kept apart
-    return by_keyword(fn, ("epoch_idx",))
+            continue
+        return fn if args else (lambda epoch: fn())
+    raise ConfigError(
+        f"train_examples is a function{signature} that cannot be called with the epoch alone "
+        "(train_examples(epoch)) nor with no argument. Fix: give it one of those signatures, e.g. "
+        "`lambda epoch: my_examples(epoch)`.")
 
 
 def _sequence_or_stream(examples):
@@ -150,9 +207,8 @@ def examples_by_epoch(train_examples):
     read in order. ``train_examples`` may be
 
     - a sequence: the same examples every epoch;
-    - a function of the epoch (called as ``train_examples(epoch_idx=epoch)`` when it names that
-      argument, as redco did, with no argument when it takes none, else with the epoch), called
-      once per epoch, returning a sequence or any iterable;
+    - a function of the epoch (called with the epoch, or with no argument when it takes none),
+      called once per epoch, returning a sequence or any iterable;
     - a re-iterable without a length (a ``datasets.IterableDataset``, an object with ``__iter__``):
       iterated afresh each epoch (``set_epoch(epoch)`` called first where it has one, so its own
       shuffling follows the epoch);

@@ -204,7 +204,7 @@ def test_redco_checkpoints_round_trip_without_pickle(tmp_path):
     trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=None, loss_fn=zero_loss,
                       params=ckpt["params"], opt_state=ckpt["opt_state"], optimizer=optimizer,
                       last_ckpt_info=info)
-    assert trainer.step == 3 and trainer._first_epoch == 2
+    assert trainer.step == 3 and trainer.progress.epoch == 2
     np.testing.assert_array_equal(np.asarray(trainer.state.opt_state[0].mu["dense"]["kernel"]), 2.0)
     trainer.save_ckpt(epoch_idx=4, ckpt_name="last", save_opt_state=False, float_dtype=jnp.bfloat16)
     ckpt, info = deployer.load_last_ckpt(optimizer=optimizer)

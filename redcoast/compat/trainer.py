@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from .. import trainer as core, validate
 from ..errors import ConfigError
+from ..progress import Progress
 from .calls import COLLATE_FN_ARGS, EVAL_METRIC_FN_ARGS, LOSS_FN_ARGS, by_keyword
 from .notices import warn_redco
 from .optimizers import params_for_optimizer, unwrap_multisteps
@@ -83,25 +84,11 @@ class Trainer(core.Trainer):
                          params, optimizer, lr_schedule_fn=lr_schedule_fn,
                          accumulate_grad_batches=k, params_sharding_rules=params_sharding_rules,
                          compute_dtype=compute_dtype, train_step_fn=step_fn, **kwargs)
-        if opt_state is not None:
-            self._set_opt_state(opt_state)
-        if last_ckpt_info:
-            self._set_step(int(last_ckpt_info.get("step", 0)))
-            self._first_epoch = int(last_ckpt_info.get("epoch_idx", -1)) + 1
-
-    def _set_opt_state(self, opt_state):
-        try:
-            placed = jax.device_put(opt_state, self.layout.state_shardings.opt_state)
-        except ValueError as e:
-            raise ConfigError(f"opt_state does not match the optimizer's state for these "
-                              f"parameters ({e}). Fix: pass the state of this optimizer, or "
-                              "opt_state=None to initialise it.") from e
-        self._state = self._state.replace(opt_state=jax.tree_util.tree_map(jnp.copy, placed))
-
-    def _set_step(self, step):
-        self._host_step = step
-        self._state = self._state.replace(
-            step=jax.device_put(jnp.asarray(step, jnp.int32), self.layout.replicated))
+        # redco's last_ckpt_info: the step reached and the last epoch done
+        progress = None if not last_ckpt_info else Progress(
+            step=int(last_ckpt_info.get("step", 0)),
+            epoch=int(last_ckpt_info.get("epoch_idx", -1)) + 1)
+        self.restart(progress=progress, opt_state=opt_state)
 
     # ------------------------------------------------------------------ redco's methods
 
@@ -112,15 +99,8 @@ class Trainer(core.Trainer):
         params = params_for_optimizer(optimizer, params)
         optimizer, opt_state = unwrap_multisteps(optimizer, opt_state, self.accumulate_grad_batches,
                                                  params)
-        core.Trainer.__init__(
-            self, self.deployer, self.collate_fn, apply_fn, self.loss_fn, params, optimizer,
-            lr_schedule_fn=self.lr_schedule_fn, accumulate_grad_batches=self.accumulate_grad_batches,
-            params_sharding_rules=self.params_sharding_rules, compute_dtype=self.compute_dtype,
-            train_step_fn=self.train_step_fn, fsdp=self.fsdp, fuse_matmuls=self.fuse_matmuls,
-            eval_by=self._eval_by)
-        if opt_state is not None:
-            self._set_opt_state(opt_state)
-        self._set_step(int(step))
+        self.restart(Progress(step=int(step)), params=params, opt_state=opt_state,
+                     optimizer=optimizer, apply_fn=apply_fn)
 
     def get_params_to_save(self, state_params=None):
         """The parameters (or ``state_params``), as global arrays: save them as they are."""
@@ -171,6 +151,7 @@ class Trainer(core.Trainer):
                        "training dtype, which an exact resume needs. For a smaller copy of the "
                        "parameters cast them and use deployer.export_params(params, path).")
         eval_metric_fn = by_keyword(eval_metric_fn, EVAL_METRIC_FN_ARGS)
+        train_examples = _epoch_idx_as_keyword(train_examples)
         eval_bs = eval_per_device_batch_size or per_device_batch_size
         validate.eval_examples_sequence(eval_examples)  # before the sanity check reads it
         if eval_sanity_check and eval_examples is not None:
@@ -191,6 +172,20 @@ class Trainer(core.Trainer):
             if eval_metric_fn is not None:
                 eval_metric_fn(few, preds)
         self.deployer.log_info("sanity check of the evaluation passed")
+
+
+def _epoch_idx_as_keyword(train_examples):
+    """A function of the epoch that names ``epoch_idx`` is called as redco called it,
+    ``train_examples(epoch_idx=epoch)``; anything else as redcoast calls it."""
+    if not callable(train_examples) or hasattr(train_examples, "__getitem__"):
+        return train_examples
+    try:
+        names = inspect.signature(train_examples).parameters
+    except (TypeError, ValueError):
+        return train_examples
+    if "epoch_idx" not in names:
+        return train_examples
+    return lambda epoch: train_examples(epoch_idx=epoch)
 
 
 __all__ = ["Trainer"]

@@ -1,0 +1,405 @@
+"""One ``Trainer.fit`` run: its checkpoint store, its evaluation, and the epochs it trains.
+
+``Trainer.fit`` turns its keywords into a :class:`FitRun` and a list of between-step actions
+(redcoast/actions.py) and calls :meth:`FitRun.train`. The run reads and moves the trainer only
+through its public methods (``train``, ``evaluate``, ``save_checkpoint``, ``restore_checkpoint``,
+``progress`` / ``set_progress``); where it stands is the trainer's :class:`~redcoast.progress.Progress`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .checkpoint import CheckpointStore
+from .data import EpochData, is_sequence
+from .errors import ConfigError, DataError, EvaluationError
+from .preemption import PreemptionGuard
+from .workdir import WorkdirLock, agree, move_aside
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What ``fit`` evaluates: the loss over ``examples`` (``loss``) and/or ``predictor``'s
+    predictions scored by ``metric_fn(examples, predictions) -> dict``."""
+
+    examples: Sequence | None
+    per_device_batch_size: int
+    loss: bool = True
+    predictor: Any = None
+    metric_fn: Callable | None = None
+
+    def results(self, trainer, label: str, saved_note: Callable[[], str]) -> dict:
+        """The eval results after ``label`` (logged); an error in any part is raised as an
+        :class:`EvaluationError` naming that part and ``saved_note()`` (what is saved)."""
+        results: dict = {}
+        if self.examples is None:
+            return results
+        part = "the eval loss (collate_fn or loss_fn with is_training=False)"
+        try:
+            if self.loss:
+                results.update(trainer.evaluate(self.examples, self.per_device_batch_size))
+            if self.predictor is not None:
+                part = "eval_predictor (collate_fn, pred_fn or output_fn)"
+                preds = self.predictor.predict(self.examples, self.per_device_batch_size,
+                                               params=trainer.params)
+                if self.metric_fn is not None:
+                    part = "eval_metric_fn"
+                    metrics = self.metric_fn(self.examples, preds)
+                    if not isinstance(metrics, Mapping):
+                        raise ConfigError(
+                            f"eval_metric_fn returned {type(metrics).__name__} ({metrics!r:.60}); "
+                            "it must return a dict of named results, e.g. {'accuracy': 0.93}, as "
+                            "redco's did. Fix: return a dict from eval_metric_fn.")
+                    results.update(metrics)
+        except Exception as e:
+            note = saved_note()
+            raise EvaluationError(f"the evaluation after {label} failed in {part}: "
+                                  f"{type(e).__name__}: {e}" + (f"; {note}" if note else "")) from e
+        if results:
+            shown = ", ".join(f"{k} = {v:.4f}" if isinstance(v, float) else f"{k} = {v}"
+                              for k, v in results.items())
+            trainer.deployer.log_info(f"{label}: eval {shown}")
+            trainer.deployer.log_metrics({f"eval_{k}": v for k, v in results.items()},
+                                         trainer.progress.step)
+        return results
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How long ``fit`` trains and on what: ``examples_of(epoch)`` (a sequence or a
+    :class:`~redcoast.data.Stream`), ``n_epochs`` (None: until ``max_steps``), the batch size."""
+
+    examples_of: Callable[[int], Any]
+    n_epochs: int | None
+    max_steps: int | None
+    per_device_batch_size: int
+    per_update: int
+    shuffle: bool
+    fixed: bool  # the same sequence every epoch (its leftover is said once, not every epoch)
+    train_size: int | None  # of the first epoch; None: a stream
+    one_shot: str | None  # the type of a one-shot iterator given as train_examples
+    log_every_n_steps: int
+    check_layout: bool
+
+    @property
+    def streamed(self) -> bool:
+        return self.train_size is None
+
+    def epochs(self, start: int):
+        return range(start, self.n_epochs) if self.n_epochs is not None else itertools.count(start)
+
+    def of(self) -> str:
+        return f"/{self.n_epochs}" if self.n_epochs is not None else ""
+
+
+class FitRun:
+    """The checkpoint store (and workdir lock) of one ``fit``, what it saved, its evaluations
+    and the epochs it trains. A context manager: leaving it finishes the saves under way and
+    releases the lock, whatever happened."""
+
+    def __init__(self, trainer, schedule: Schedule, evaluation: Evaluation, config: dict,
+                 actions: list, keep_best: Sequence[tuple[str, Callable]] = ()):
+        self.trainer, self.schedule, self.evaluation = trainer, schedule, evaluation
+        self.config, self.actions, self.keep_best_by = config, actions, list(keep_best)
+        self.deployer = trainer.deployer
+        self.workdir = self.deployer.workdir
+        self.store: CheckpointStore | None = None
+        self._lock: WorkdirLock | None = None
+        self.saved: list = []  # (step, epoch, position, directory) of the newest checkpoint on disk
+        self._evaluated: dict = {}  # step -> eval results (one evaluation per step)
+        self.source: EpochData | None = None  # the epoch under way
+        self.epoch_updates: int | None = None  # its updates (None for a stream: unknown)
+        self.guard = PreemptionGuard()
+        self.stop_reason: str | None = None  # why the epoch under way stopped early
+        self.resumed_fingerprint: str | None = None  # of the stream's examples before the checkpoint
+
+    # ------------------------------------------------------------------ store and resume
+
+    def open(self, keep_last_n_ckpts: int | None, resume: bool, wants_saving: bool) -> FitRun:
+        """Take the workdir (lock) and its checkpoint store where saving or resuming needs them;
+        with ``resume=False`` an earlier run's checkpoints are moved aside, never overwritten."""
+        if self.workdir is None or not (wants_saving or resume):
+            return self
+        self._lock = WorkdirLock(self.workdir, logger=self.deployer.logger).acquire()
+        try:
+            directory = os.path.join(self.workdir, "checkpoints")
+            self.store = self._new_store(directory, keep_last_n_ckpts)
+            # process 0 decides (the others might look after it moved the directory)
+            if not resume and agree(self.store.steps() or _has_best(directory)):
+                self.store.close()
+                aside = move_aside(directory, "earlier-run", self.deployer.logger)
+                self.deployer.log_warning(
+                    f"resume=False: the checkpoints of an earlier run in {directory} were moved "
+                    f"to {aside}; this run starts afresh.")
+                self.store = self._new_store(directory, keep_last_n_ckpts)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _new_store(self, directory, keep_last_n_ckpts):
+        return CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
+                               logger=self.deployer.logger)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> FitRun:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint where the store has one (said in the log)."""
+        trainer, per_update = self.trainer, self.schedule.per_update
+        if self.store is None or not self.store.steps():
+            return
+        meta = trainer.restore_checkpoint(self.store, per_update=per_update)
+        if meta is None:
+            return
+        self.resumed_fingerprint = meta.get("stream_fingerprint")
+        progress = trainer.progress
+        trainer.set_progress(progress.replace(best={**progress.best, **self._best_on_disk()}))
+        self.saved[:] = [(progress.step, progress.epoch, progress.position, self.store.directory)]
+        _warn_if_config_changed(self.deployer, meta.get("config", {}), self.config)
+        into = f"{progress.position} update{'' if progress.position == 1 else 's'} into it"
+        if progress.examples:
+            resumed = None if self.schedule.streamed else self.schedule.examples_of(progress.epoch)
+            listed = resumed is not None and is_sequence(resumed)
+            into += (f": its first {progress.examples} examples"
+                     f"{' (in its order)' if listed else ''} were trained before the "
+                     "checkpoint and are skipped")
+            if listed:
+                left = updates_after(len(resumed), progress.examples, per_update, progress.epoch)
+                into += f"; {left} updates of {per_update} remain"
+        self.deployer.log_info(f"resumed from {self.store.directory}/{meta['step']}: step "
+                               f"{meta['step']}, epoch {progress.epoch + 1}, {into}")
+        if self.schedule.one_shot and progress.examples:
+            self.deployer.log_warning(
+                f"train_examples is an iterator ({self.schedule.one_shot}), which cannot be "
+                f"rewound: resuming skips the first {progress.examples} examples it gives, as the "
+                "interrupted run trained on those; that is right only if it starts where that "
+                "run's started. Fix: pass a function returning a fresh iterator (`lambda epoch: "
+                "my_generator(epoch)`, or one with no argument) or a re-iterable (a "
+                "datasets.IterableDataset).")
+
+    def _best_on_disk(self) -> dict:
+        """``{tag: value}`` of the best checkpoints kept in the workdir: a step's checkpoint is
+        written before its evaluation, so its record may not hold the best that evaluation kept."""
+        from etils import epath
+        directory = epath.Path(self.workdir) / "checkpoints"
+        best = {}
+        for path in sorted(directory.iterdir()) if directory.exists() else []:
+            if not path.name.startswith("best_"):
+                continue
+            best_store = CheckpointStore(str(path), logger=self.deployer.logger)
+            meta = best_store.latest_meta()
+            best_store.close()
+            if meta is not None and path.name in meta.get("best", {}):
+                best[path.name] = meta["best"][path.name]
+        return best
+
+    # ------------------------------------------------------------------ what actions call
+
+    def save(self) -> None:
+        """Checkpoint the trainer where it stands (a resume starts there)."""
+        if self.store is None:
+            return
+        progress = self.trainer.progress
+        self.trainer.save_checkpoint(self.store, progress.epoch, progress.position, self.config,
+                                     examples_consumed=progress.examples,
+                                     stream_fingerprint=self._fingerprint(progress.examples))
+        self.saved[:] = [(progress.step, progress.epoch, progress.position, self.store.directory)]
+
+    def _fingerprint(self, n):
+        return None if self.source is None else self.source.fingerprint(n)
+
+    def evaluate(self, label: str) -> dict:
+        """The eval results after ``label``, evaluated once per step; the best checkpoints by
+        them kept."""
+        step = self.trainer.progress.step
+        if step not in self._evaluated:
+            self._evaluated.clear()
+            self._evaluated[step] = self.evaluation.results(self.trainer, label, self.saved_note)
+        results = self._evaluated[step]
+        self._keep_best(results)
+        return results
+
+    def _keep_best(self, results: Mapping) -> None:
+        """Save a checkpoint under ``best_<min|max>_<name>`` where ``results`` beats the best."""
+        trainer = self.trainer
+        for name, better in self.keep_best_by:
+            if name not in results:
+                raise ConfigError(f"Cannot keep the best checkpoint by '{name}': the evaluation "
+                                  f"gave {sorted(results)}. Fix: name one of those.")
+            value, tag = float(results[name]), f"best_{better.__name__}_{name}"
+            best = trainer.progress.best
+            if math.isnan(value) or (tag in best and better(value, best[tag]) == best[tag]):
+                continue
+            trainer.set_progress(trainer.progress.with_best(tag, value))
+            best_store = CheckpointStore(os.path.join(self.workdir, "checkpoints", tag),
+                                         keep_last_n=1, logger=self.deployer.logger,
+                                         replace_existing=True)
+            progress = trainer.progress
+            trainer.save_checkpoint(best_store, progress.epoch, progress.position, self.config,
+                                    examples_consumed=progress.examples)
+            best_store.close()
+            self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
+                                   f"(step {progress.step}) in {best_store.directory}")
+
+    def stop_for_signal(self) -> None:
+        """Save where the run stands and exit; without a store, exit with a failure status."""
+        guard, step = self.guard, self.trainer.progress.step
+        by = guard.signal_name or "a signal on another process"
+        if self.store is not None:
+            self.save()
+            self.store.wait()
+            self.deployer.log_info(f"stopped by {by}: saved a checkpoint at step {step} in "
+                                   f"{self.store.directory}. Run the same command again to continue.")
+            raise SystemExit(0)
+        # nothing to continue from: a failure status (128 + the signal, as a shell reports it)
+        self.deployer.log_warning(
+            f"stopped by {by} after step {step}: the Deployer has no workdir, so nothing was "
+            "saved and running again starts from the beginning. Fix: Deployer(..., "
+            "workdir='...') to resume.")
+        raise SystemExit(128 + signal.Signals[guard.signal_name].value if guard.signal_name else 1)
+
+    def saved_note(self) -> str:
+        """What is on disk for a rerun to resume from (said when an evaluation fails)."""
+        step_now = self.trainer.progress.step
+        if self.store is None:
+            how = ("pass workdir=... to Deployer" if self.workdir is None else
+                   "pass save_every_k_epochs=1 (or save_every_n_steps=...) to fit")
+            return (f"no checkpoint was saved, so a rerun starts afresh. Fix: correct it, and "
+                    f"{how} to keep the training done before an evaluation.")
+        if not self.saved:
+            return ("no checkpoint has been saved in this run, so a rerun starts afresh (fit "
+                    "saves every save_every_k_epochs epochs and every save_every_n_steps updates, "
+                    "before evaluating). Fix: correct it and run again.")
+        step, epoch, position, directory = self.saved[0]
+        if step == step_now:
+            what = f"epoch {epoch}" if position == 0 else f"step {step}"
+            return (f"{what} is saved at {directory}/{step} and a rerun resumes from there. "
+                    "Fix: correct it and run the same command again.")
+        return (f"the newest checkpoint is {directory}/{step} (step {step}): a rerun resumes "
+                f"from there and trains the {step_now - step} updates since again. Fix: "
+                "correct it and run the same command again.")
+
+    # ------------------------------------------------------------------ the epochs
+
+    def train(self) -> None:
+        """Train from where the trainer stands to the end of the schedule, running the actions
+        between steps and at each epoch's end; stop-and-save on SIGTERM/SIGINT."""
+        trainer, schedule = self.trainer, self.schedule
+        if not self.saved:  # no checkpoint resumed: from the start of the trainer's epoch
+            trainer.set_progress(trainer.progress.replace(position=0, examples=0))
+        start = trainer.progress
+        with self.guard:
+            for epoch in schedule.epochs(start.epoch):
+                if schedule.max_steps is not None and trainer.progress.step >= schedule.max_steps:
+                    break  # resumed at the end
+                resumed = start if epoch == start.epoch else None
+                reason, finished = self._train_epoch(epoch, resumed)
+                if reason == "signal" and not finished:
+                    self.stop_for_signal()
+                if finished:
+                    last = reason == "max_steps" or epoch + 1 == schedule.n_epochs
+                    trainer.set_progress(trainer.progress.next_epoch())
+                    for action in self.actions:
+                        action.after_epoch(self, epoch, last)
+                if reason == "max_steps":
+                    if not finished:
+                        for action in self.actions:
+                            action.at_max_steps(self)
+                    break
+                if self.guard.requested_anywhere():
+                    self.stop_for_signal()
+            for action in self.actions:
+                action.at_end(self)
+
+    def _train_epoch(self, epoch: int, resumed) -> tuple[str | None, bool]:
+        """Train ``epoch`` (from ``resumed``, a Progress inside it, or from its start): why it
+        stopped early (None, "max_steps" or "signal") and whether it reached its end."""
+        trainer, schedule, per_update = self.trainer, self.schedule, self.schedule.per_update
+        position, skip = (resumed.position, resumed.examples) if resumed else (0, 0)
+        examples = schedule.examples_of(epoch)
+        self.source = EpochData(examples, self.deployer.jax_seed, epoch, schedule.shuffle)
+        if self.source.length is None:
+            self.epoch_updates = None
+        else:
+            trainer.updates_per_epoch(self.source.length, schedule.per_device_batch_size)  # one fits
+            self.epoch_updates = position + updates_after(self.source.length, skip, per_update, epoch)
+        self.stop_reason = None
+        if self.epoch_updates is None or position < self.epoch_updates:
+            trainer.train(self.source, schedule.per_device_batch_size,
+                          desc=f"epoch {epoch + 1}{schedule.of()}", epoch=epoch,
+                          log_every_n_steps=schedule.log_every_n_steps, start_position=position,
+                          after_step=self._after_step, start_example=skip,
+                          check_layout=schedule.check_layout,
+                          start_fingerprint=self.resumed_fingerprint if resumed else None)
+        # a stream's end is known only once read: stopped early, it may hold more
+        finished = self.stop_reason is None or trainer.progress.position == self.epoch_updates
+        if finished:
+            self._say_leftover(epoch, skip)
+        return self.stop_reason, finished
+
+    def _after_step(self, position: int) -> bool:
+        for action in self.actions:
+            reason = action.after_step(self)
+            if reason:
+                self.stop_reason = reason
+                return True
+        return False
+
+    def _say_leftover(self, epoch: int, skip: int) -> None:
+        per_update, source = self.schedule.per_update, self.source
+        # resumed at an example that is not a multiple of the update: said anew
+        anew = skip % per_update != 0
+        left = (source.leftover if source.length is None else
+                0 if self.schedule.fixed and not anew else (source.length - skip) % per_update)
+        if left:
+            self.deployer.log_info(f"epoch {epoch + 1}: its last {left} examples do not fill an "
+                                   f"update of {per_update} and were left out.")
+
+
+def updates_after(n_examples: int, consumed: int, per_update: int, epoch: int) -> int:
+    """Updates of ``per_update`` left in an epoch of ``n_examples`` once ``consumed`` are trained."""
+    if consumed > n_examples:
+        raise DataError(
+            f"epoch {epoch + 1} has {n_examples} training examples, but {consumed} of them were "
+            "trained on before the resumed checkpoint: these are not the examples the interrupted "
+            "run trained on. Fix: give the same examples on resume, or resume=False.")
+    return (n_examples - consumed) // per_update
+
+
+def _has_best(directory) -> bool:
+    from etils import epath
+    path = epath.Path(directory)
+    return path.exists() and any(p.name.startswith("best_") for p in path.iterdir())
+
+
+def _warn_if_config_changed(deployer, saved: Mapping, current: Mapping) -> None:
+    def changed(keys):
+        return ", ".join(f"{k} ({saved[k]} -> {current[k]})" for k in keys
+                         if k in saved and saved[k] != current[k])
+    order = changed(("jax_seed", "train_size", "shuffle"))
+    if order:
+        deployer.log_warning(f"resuming with a different {order}: the data order changes, so "
+                             "the run will not repeat the interrupted one.")
+    grouping = changed(("global_batch_size", "accumulate_grad_batches"))
+    if grouping:  # the order of the examples does not depend on the batch size
+        deployer.log_warning(
+            f"resuming with a different {grouping}: the epoch goes on at the first example the "
+            "interrupted run had not trained, in the same order, but in updates of another "
+            "size, so the run will not repeat the interrupted one exactly.")

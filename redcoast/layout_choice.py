@@ -1,0 +1,64 @@
+"""The layout a Trainer runs in, chosen once at its first batch and said in the log."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import jax.numpy as jnp
+
+from .layout import Recipe, choose_layout
+from .layout_memory import LayoutMemory
+from .sharding.dataflow import FALLBACK
+from .workdir import is_url
+
+
+def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mapping,
+                      batch_for: Callable):
+    """The final layout for ``state``, from the loss traced on the first batch (``batch_for
+    (mesh)``: an abstract first micro-batch on ``mesh``) among ``options`` (``{"fsdp": [...],
+    "fuse_matmuls": [...]}``) and the deployer's shard counts; what was chosen, and why, logged."""
+    shard_counts = (deployer.model_shard_candidates() if deployer.n_model_shards_requested == "auto"
+                    else [deployer.n_model_shards])
+    memory = _layout_memory(recipe, deployer, options, shard_counts)
+    started = time.perf_counter()
+    layout = choose_layout(recipe, state, train_key, shard_counts, options["fsdp"],
+                           options["fuse_matmuls"], batch_for, deployer.mesh_for,
+                           deployer.device_memory_budget(), deployer.platform, memory)
+    if len(layout.considered) > 1:
+        deployer.log_info(
+            f"choosing the layout compiled {len(layout.considered)} candidate steps in "
+            f"{time.perf_counter() - started:.1f} s"
+            + (f"; the choice is remembered in {memory.path} for the next run" if memory else
+               "; a workdir would remember it for the next run")
+            + f" (fsdp={layout.candidate.fsdp}, fuse_matmuls={layout.candidate.fuse_matmuls} "
+            "in the Trainer skip the comparison).")
+    if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
+        deployer.log_warning(f"sharding plan from {layout.source}")
+    if len(shard_counts) == 1 and layout.plan.nothing_to_split():  # said always: n x the work
+        deployer.log_warning(layout.plan.nothing_to_split() + ".")
+    if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
+        deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
+                          f"{layout.n_data_shards} x mp={layout.n_model_shards}): {layout.reason}.")
+    if deployer.verbose:
+        if layout.table:
+            deployer.log_info(f"{layout.name}: {layout.reason}.\n{layout.table}",
+                              title="Layout (candidates compiled for the first batch)")
+        deployer.log_info(layout.plan.table(), title=f"Sharding plan (from {layout.source})")
+        deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
+    return layout
+
+
+def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> LayoutMemory | None:
+    """Where this run's layout choice is remembered (the workdir's layout.json), with what it
+    depends on besides the parameters and the batch; None without a local workdir."""
+    workdir = deployer.workdir
+    if workdir is None or is_url(workdir):  # remote workdirs: chosen each run
+        return None
+    key = {"shard_counts": list(shard_counts), "fsdp": list(options["fsdp"]),
+           "fuse_matmuls": list(options["fuse_matmuls"]),
+           "compute_dtype": str(jnp.dtype(recipe.compute_dtype)),
+           "accumulate": recipe.accumulate_grad_batches,
+           "budget": deployer.device_memory_budget(),
+           "own_train_step": recipe.train_step_fn is not None}
+    return LayoutMemory.in_workdir(workdir, key)

@@ -1,0 +1,90 @@
+"""Where a run stands on the host: one frozen record, written into every checkpoint and read back.
+
+The training state on the devices (parameters, optimizer state, step counter) is a
+:class:`~redcoast.train_state.TrainState`; everything else a resume needs is a :class:`Progress`.
+Positions inside an epoch are counted in examples of the epoch's order, so a run resumed with
+another batch size, device count or accumulation goes on at exactly the next untrained example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .checkpoint import key_from_json, key_to_json
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """``step``: optimizer updates applied; ``epoch``: the epoch under way (from 0);
+    ``position`` and ``examples``: the updates and the examples (in the epoch's order) of that
+    epoch trained so far; ``best``: the best eval result kept so far per ``best_<min|max>_<name>``
+    tag; ``train_key`` and ``eval_key``: the run's random keys (placed on the mesh)."""
+
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    examples: int = 0
+    best: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    train_key: Any = None
+    eval_key: Any = None
+
+    def replace(self, **changes: Any) -> Progress:
+        return dataclasses.replace(self, **changes)
+
+    def after_update(self, n_examples: int) -> Progress:
+        """One more update of ``n_examples`` examples."""
+        return self.replace(step=self.step + 1, position=self.position + 1,
+                            examples=self.examples + n_examples)
+
+    def next_epoch(self) -> Progress:
+        """At the start of the next epoch (this one finished)."""
+        return self.replace(epoch=self.epoch + 1, position=0, examples=0)
+
+    def with_best(self, tag: str, value: float) -> Progress:
+        return self.replace(best={**self.best, tag: value})
+
+    def to_meta(self, to_host: Callable[[Any], Any]) -> dict:
+        """The checkpoint's record of it (JSON; keys pulled to the host with ``to_host``)."""
+        return {"step": self.step, "epoch": int(self.epoch), "position": int(self.position),
+                "examples_consumed": int(self.examples),
+                "train_rng": key_to_json(to_host(self.train_key)),
+                "eval_rng": key_to_json(to_host(self.eval_key)), "best": dict(self.best)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping, examples: int, place: Callable[[Any], Any]) -> Progress:
+        """From a checkpoint's record; ``examples``: of its epoch trained (see
+        :func:`examples_trained`); ``place`` puts a key on the mesh."""
+        return cls(step=int(meta["step"]), epoch=int(meta["epoch"]),
+                   position=int(meta["position"]), examples=int(examples),
+                   best=dict(meta.get("best", {})),
+                   train_key=place(key_from_json(meta["train_rng"])),
+                   eval_key=place(key_from_json(meta["eval_rng"])))
+
+
+def per_update_of(config: Mapping | None) -> int | None:
+    """Examples per update recorded in a run's ``config``, or None."""
+    config = config or {}
+    if config.get("global_batch_size") is None or config.get("accumulate_grad_batches") is None:
+        return None
+    return int(config["global_batch_size"]) * int(config["accumulate_grad_batches"])
+
+
+def examples_trained(meta: Mapping, per_update: int, warn: Callable[[str], None]) -> int:
+    """Examples of the checkpoint's epoch (in its order) trained before it. A checkpoint of the
+    earlier format records only updates: of the size its config records, else (said with
+    ``warn``) of this run's ``per_update``."""
+    if "examples_consumed" in meta:
+        return int(meta["examples_consumed"])
+    position = int(meta["position"])
+    recorded = per_update_of(meta.get("config"))
+    if position == 0 or recorded is not None:
+        return position * (recorded or 0)
+    warn(f"the checkpoint at step {meta['step']} does not record how many examples of epoch "
+         f"{meta['epoch'] + 1} it trained, only {position} updates, nor their size: taking "
+         f"this run's updates of {per_update}, so {position * per_update} examples are skipped. "
+         "If the interrupted run used another batch size, examples are skipped or repeated. "
+         "Fix: resume with that run's per_device_batch_size, devices and "
+         "accumulate_grad_batches.")
+    return position * per_update

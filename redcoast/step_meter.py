@@ -1,0 +1,56 @@
+"""What one compiled training step processes, costs and needs: for the logged throughput and
+for the check, before the first step on an accelerator, that the step fits a device."""
+
+from __future__ import annotations
+
+import jax
+
+from .memory_check import StepMemory, require_fits
+from .throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
+
+
+class StepMeter:
+    """The costs of one layout's training step, read once per batch shape (lowering and
+    compiling again after the step ran is a cache hit)."""
+
+    def __init__(self, layout, compute_dtype, accumulate_grad_batches: int, deployer):
+        self.layout, self.compute_dtype = layout, compute_dtype
+        self.accumulate_grad_batches, self.deployer = accumulate_grad_batches, deployer
+        self._costs: dict = {}
+
+    def _compiled(self, state, batch, key):
+        return self.layout.train_step.lower(state, batch, key).compile()
+
+    def cost(self, state, batch, key) -> StepCost:
+        """What one update of batches shaped like ``batch`` processes and costs."""
+        leaves = jax.tree_util.tree_leaves(batch)
+        shape_key = jax.tree_util.tree_structure(batch), tuple((x.shape, x.dtype) for x in leaves)
+        if shape_key in self._costs:
+            return self._costs[shape_key]
+        k = self.accumulate_grad_batches
+        examples = leaves[0].shape[1 if k > 1 else 0] * k
+        micro = batch if k == 1 else jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+        per_example = tokens_per_example(micro)
+        device = self.layout.mesh.devices.flat[0]
+        cost = StepCost(examples=examples,
+                        tokens=None if per_example is None else per_example * examples,
+                        flops_per_device=compiled_flops(self._compiled(state, batch, key)),
+                        peak_flops=peak_flops(device, self.compute_dtype))
+        why_not = cost.mfu_unknown_reason(device, self.compute_dtype)
+        if why_not and not self._costs:  # said once
+            self.deployer.log_info(f"MFU: n/a ({why_not}).")
+        self._costs[shape_key] = cost
+        return cost
+
+    def require_fits(self, state, batch, key) -> None:
+        """On an accelerator (or with ``memory_budget_bytes``): the compiled step's peak against
+        the device's memory, so that a step too big stops before running with its memory
+        explained (memory_check.py). The step's own call reuses this compilation."""
+        deployer = self.deployer
+        if deployer.platform == "cpu" and not deployer.memory_budget_bytes:
+            return  # simulated devices share the host's memory: no per-device limit to hold
+        source = ("Deployer(memory_budget_bytes=...)" if deployer.memory_budget_bytes else
+                  f"the {deployer.platform} device's memory limit")
+        require_fits(StepMemory.of(self._compiled(state, batch, key), state),
+                     deployer.device_memory_budget(), f"layout {self.layout.name}", source)
