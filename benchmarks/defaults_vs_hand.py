@@ -89,7 +89,7 @@ def setup(n_model_shards, examples, optimizer):
     compiled_rc = trainer.compile_train_step(batch)  # fixes the plan as the first batch would
     placed = jax.device_put(batch, NamedSharding(trainer.mesh, P("dp")))
     rc = {"state": trainer._state}
-    rng = trainer._train_rng
+    rng = trainer.progress.train_key
 
     def rc_step():
         rc["state"], metrics = trainer.layout.train_step(rc["state"], placed, rng)

@@ -26,6 +26,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from redcoast import Deployer, Trainer  # noqa: E402
+from redcoast.data import EpochData  # noqa: E402
+from redcoast.step_meter import StepMeter  # noqa: E402
 from redcoast.models import Model  # noqa: E402
 from redcoast.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -67,10 +69,11 @@ def main():
 
     for trainer in trainers.values():  # compile, and read the step's cost (once)
         trainer.train(examples[:global_batch * 2], per_device, shuffle=False, log_every_n_steps=1)
-    batch = trainers[True]._first_batch(examples, np.arange(len(examples)), per_device)
-    trainers[True]._step_costs.clear()
+    trainer = trainers[True]
+    batch = trainer._first_batch(EpochData(examples, 0, 0, shuffle=False), per_device, trainer.mesh)
+    meter = StepMeter(trainer.layout, trainer.compute_dtype, 1, trainer.deployer)  # nothing read yet
     t0 = time.perf_counter()
-    trainers[True]._step_cost(batch)
+    meter.cost(trainer._state, batch, trainer.progress.train_key)
     read_cost_s = time.perf_counter() - t0
 
     times = {False: [], True: []}

@@ -233,13 +233,13 @@ def main():
         # Diagnostic: the hand-written loop driving the Trainer's own compiled step (private
         # attributes), which splits the gap into host-side loop cost and in-step extras.
         def step(state, batch):
-            state, metrics = trainer.layout.train_step(state, batch, trainer._train_rng)
+            state, metrics = trainer.layout.train_step(state, batch, trainer.progress.train_key)
             return state, metrics["loss"]
         trainer._state = hand_epoch(trainer._state, examples, order_of(epoch, len(examples)),
                                     len(examples) // global_batch, args.log_every, step_fn=step)
 
     loops = {"redcoast Trainer": run_trainer, "hand-written jax.jit": run_hand}
-    if args.breakdown and hasattr(trainer, "_train_rng"):
+    if args.breakdown and hasattr(trainer, "_state"):
         loops["hand loop, Trainer step"] = run_hand_with_trainer_step
 
     # Warm-up: compile every step, start the thread machinery, touch every code path once.

@@ -101,7 +101,7 @@ class EvaluateAtEpochEnd(Action):
     """Evaluate after every epoch and where ``max_steps`` stops the run."""
 
     def after_epoch(self, run, epoch, last):
-        run.evaluate(f"epoch {epoch + 1}{run.schedule.of()}")
+        run.evaluate(f"epoch {epoch + 1}{run.schedule.out_of()}")
 
     def at_max_steps(self, run):
         run.evaluate(f"step {run.trainer.progress.step} (max_steps)")

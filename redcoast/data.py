@@ -12,6 +12,7 @@ import operator
 import queue
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,8 +35,8 @@ def epoch_order(n_examples, seed, epoch, shuffle=True):
 def process_rows(mesh, global_rows):
     """``(start, stop)``: the rows of a ``global_rows`` batch held by this process's devices."""
     sharding = NamedSharding(mesh, P("dp"))
-    slices = sorted({(s[0].indices(global_rows)[:2]) for s in
-                     sharding.addressable_devices_indices_map((global_rows,)).values()})
+    indices = sharding.addressable_devices_indices_map((global_rows,)).values()
+    slices = sorted({s[0].indices(global_rows)[:2] for s in indices if s is not None})
     start, stop = slices[0][0], slices[0][1]
     for s, e in slices[1:]:
         if s > stop:
@@ -112,7 +113,7 @@ class Stream:
 
     def updates(self, per_update):
         while True:
-            group = []
+            group: list = []
             try:
                 while len(group) < per_update:
                     group.append(self._next())
@@ -130,13 +131,18 @@ class EpochData:
     in the order it gives them. ``length`` is None for a stream (known once it has ended);
     ``leftover``: the examples at the end that did not fill an update (not trained on)."""
 
-    def __init__(self, examples, seed, epoch, shuffle=True):
+    def __init__(self, examples, seed: int, epoch: int, shuffle: bool = True):
+        self.length: int | None = None
+        self._size = 0  # of a sequence
+        self.stream: Stream | None = None
+        self.examples: Any = None  # a sequence's
+        self.order = np.arange(0)  # a sequence's
         if is_sequence(examples):
-            self.stream, self.examples, self.length = None, examples, len(examples)
+            self.examples, self.length = examples, len(examples)
+            self._size = len(examples)
             self.order = epoch_order(len(examples), seed, epoch, shuffle)
         else:
             self.stream = examples if isinstance(examples, Stream) else Stream(examples)
-            self.examples = self.order = self.length = None
         self._start = 0  # of a sequence: the first example of its order not handed out yet
         self.leftover = 0
 
@@ -152,14 +158,55 @@ class EpochData:
         head = self.stream.peek(n)
         return head, np.arange(len(head))
 
+    def first_batch(self, collate_fn, per_device_batch_size, mesh, accumulate_grad_batches=1):
+        """The epoch's first micro-batch on ``mesh`` (for tracing and measuring the step),
+        where the epoch holds one update (a stream: one micro-batch), else a ConfigError."""
+        global_batch = per_device_batch_size * mesh.shape["dp"]
+        examples, indices = self.first(global_batch)
+        if self.length is not None:
+            updates_per_epoch(self.length, per_device_batch_size, mesh.shape["dp"],
+                              accumulate_grad_batches)
+        elif len(indices) < global_batch:
+            raise ConfigError(
+                f"train_examples ended after {len(indices)} examples, fewer than one batch of "
+                f"{global_batch} (per_device_batch_size={per_device_batch_size} x "
+                f"{mesh.shape['dp']} data shards). Fix: use a smaller batch size.")
+        return BatchMaker(mesh, collate_fn, global_batch).make(examples, indices)
+
     def skip(self, n):
         """Pass over the next ``n`` examples (a resume's fast-forward, nothing collated);
         returns how many there were."""
         if self.stream is not None:
             return self.stream.skip(n)
-        skipped = min(n, self.length - self._start)
+        skipped = min(n, self._size - self._start)
         self._start += skipped
         return skipped
+
+    def skip_trained(self, n, per_update, epoch, fingerprint=None):
+        """Pass over the ``n`` examples of epoch ``epoch`` trained before a checkpoint (a stream's
+        must have ``fingerprint`` where given); the updates of ``per_update`` left (None for a
+        stream). Examples that are not those the checkpoint's run trained are a DataError."""
+        if self.stream is None:
+            left = updates_after(self._size, n, per_update, epoch)
+            self.skip(n)
+            return left
+        skipped = self.skip(n)
+        if skipped == n and fingerprint is not None and self.fingerprint(n) != fingerprint:
+            raise DataError(
+                f"train_examples gives other examples than the interrupted run read: the first "
+                f"{n} examples of epoch {epoch + 1}, which the checkpoint says were trained on, "
+                "are not those (their fingerprint differs), so skipping them would leave "
+                "examples untrained and train others twice. Fix: give the same examples in the "
+                "same order on resume (a function of the epoch or a re-iterable that starts the "
+                "epoch afresh), or resume=False to start afresh.")
+        if skipped < n:
+            raise DataError(
+                f"train_examples ended after {skipped} examples of epoch {epoch + 1}, but {n} of "
+                "them were trained on before the resumed checkpoint: it is not the stream the "
+                "interrupted run read. Fix: give the same examples in the same order on resume "
+                "(a function of the epoch or a re-iterable that starts the epoch afresh), or "
+                "resume=False.")
+        return None
 
     def fingerprint(self, n):
         """Of a stream's first ``n`` examples given or skipped (None for a sequence, whose
@@ -174,9 +221,31 @@ class EpochData:
                 yield group, rows
             self.leftover = self.stream.leftover
             return
-        n_updates, self.leftover = divmod(self.length - self._start, per_update)
+        n_updates, self.leftover = divmod(self._size - self._start, per_update)
         for start in self._start + per_update * np.arange(n_updates):
             yield self.examples, self.order[start:start + per_update]
+
+
+def updates_per_epoch(n_examples, per_device_batch_size, n_data_shards, accumulate_grad_batches):
+    """Updates in an epoch of ``n_examples`` (the last incomplete one left out); at least one."""
+    per_update = per_device_batch_size * n_data_shards * accumulate_grad_batches
+    if n_examples < per_update:
+        raise ConfigError(
+            f"{n_examples} training examples do not fill one update of {per_update} "
+            f"(per_device_batch_size={per_device_batch_size} x {n_data_shards} data shards x "
+            f"accumulate_grad_batches={accumulate_grad_batches}). Fix: use a smaller batch size.")
+    return n_examples // per_update
+
+
+def updates_after(n_examples, trained, per_update, epoch):
+    """Updates of ``per_update`` left in epoch ``epoch`` of ``n_examples`` once ``trained`` of
+    them (before a resumed checkpoint) are."""
+    if trained > n_examples:
+        raise DataError(
+            f"epoch {epoch + 1} has {n_examples} training examples, but {trained} of them were "
+            "trained on before the resumed checkpoint: these are not the examples the interrupted "
+            "run trained on. Fix: give the same examples on resume, or resume=False.")
+    return (n_examples - trained) // per_update
 
 
 def _epoch_function(fn):
@@ -220,7 +289,7 @@ def examples_by_epoch(train_examples):
     if is_sequence(train_examples):
         return lambda epoch: train_examples
     if is_iterator(train_examples):
-        stream, first = Stream(train_examples), []
+        stream, first = Stream(train_examples), list[int]()
 
         def once(epoch):
             if not first:
@@ -244,7 +313,7 @@ def examples_by_epoch(train_examples):
 
 def _cached_by_epoch(make):
     """``make(epoch)`` called once per epoch (the last epoch's result kept)."""
-    cache = {}
+    cache: dict = {}
 
     def of_epoch(epoch):
         if epoch not in cache:
@@ -362,7 +431,7 @@ def padded_batches(n_examples, global_batch_size):
 
 def prefetch(iterable, size=2):
     """Run ``iterable`` in a background thread, ``size`` items ahead; errors surface in order."""
-    q = queue.Queue(maxsize=size)
+    q: queue.Queue = queue.Queue(maxsize=size)
     done = object()
     stop = threading.Event()
 

@@ -1,5 +1,7 @@
 """Errors a user can cause, each carrying a message that names the cause and the fix."""
 
+import math
+
 
 class RedcoastError(Exception):
     """Base class of every error redcoast raises on purpose."""
@@ -19,6 +21,21 @@ class LossError(RedcoastError, TypeError):
 
 class NonFiniteLossError(RedcoastError, FloatingPointError):
     """The training loss became NaN or infinite; no update from that step was applied."""
+
+    @classmethod
+    def at(cls, step, value):
+        """The error for a loss that became ``value`` at ``step``."""
+        return cls(f"The training loss became {value} at step {step} (counting from 0), so "
+                   "training stopped and no checkpoint was written after it; the last checkpoint "
+                   "on disk, if any, is from before it. Fix: lower the learning rate, add warmup "
+                   "or gradient clipping (optax.clip_by_global_norm), or check that step's batch "
+                   "for bad values.")
+
+    @staticmethod
+    def first_bad(history):
+        """The first non-finite loss among logged metrics (``[{"loss": ...}, ...]``)."""
+        bad = [float(m["loss"]) for m in history if not math.isfinite(float(m["loss"]))]
+        return str(bad[0]) if bad else "NaN or inf"
 
 
 class CheckpointError(RedcoastError, RuntimeError):

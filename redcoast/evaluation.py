@@ -35,7 +35,7 @@ class EvalRun:
     global_batch: int
     log_info: Callable[[str], None]
 
-    def means(self, eval_by: str | None) -> tuple[dict, str]:
+    def means(self, eval_by: str | None) -> tuple[dict, str | None]:
         """``({"loss": ..., name: ...}, eval_by)``: the means, and how ``loss_fn`` was applied
         (``eval_by`` None: decided on the first batch, see :meth:`_decide`)."""
         if eval_by == "batch":

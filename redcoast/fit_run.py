@@ -16,9 +16,12 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from .checkpoint import CheckpointStore
-from .data import EpochData, is_sequence
-from .errors import ConfigError, DataError, EvaluationError
+from .data import EpochData, examples_by_epoch, is_iterator, is_sequence, updates_after
+from .errors import ConfigError, EvaluationError
 from .preemption import PreemptionGuard
 from .workdir import WorkdirLock, agree, move_aside
 
@@ -91,11 +94,55 @@ class Schedule:
     def streamed(self) -> bool:
         return self.train_size is None
 
+    @classmethod
+    def of(cls, examples_of, first: EpochData, train_examples, n_epochs, max_steps,
+           per_device_batch_size, per_update, shuffle, log_every_n_steps, check_layout,
+           log_info) -> Schedule:
+        fixed = is_sequence(train_examples)  # the same examples every epoch
+        if fixed and first.length % per_update:  # said once, not every epoch
+            log_info(f"each epoch trains on {first.length // per_update * per_update} of the "
+                     f"{first.length} examples: the last {first.length % per_update} of its order "
+                     f"(shuffled anew each epoch) do not fill an update of {per_update} and are "
+                     "left out.")
+        one_shot = type(train_examples).__name__ if is_iterator(train_examples) else None
+        return cls(examples_of, n_epochs, max_steps, per_device_batch_size, per_update, shuffle,
+                   fixed, first.length, one_shot, log_every_n_steps, check_layout)
+
     def epochs(self, start: int):
         return range(start, self.n_epochs) if self.n_epochs is not None else itertools.count(start)
 
-    def of(self) -> str:
+    def out_of(self) -> str:
+        """``"/n_epochs"`` (nothing when the run ends at max_steps), for labels."""
         return f"/{self.n_epochs}" if self.n_epochs is not None else ""
+
+
+def epochs_of(train_examples, n_epochs, max_steps, shuffle, first_epoch, deployer):
+    """``(examples_of, n_epochs, first)``: ``train_examples`` as a function of the epoch
+    (data.examples_by_epoch), the epochs to train (one pass for a one-shot iterator, said in
+    the log) and the first epoch's :class:`EpochData`; what cannot run is refused now."""
+    one_shot = type(train_examples).__name__ if is_iterator(train_examples) else None
+    examples_of = examples_by_epoch(train_examples)  # epoch -> a sequence or a Stream
+    first = EpochData(examples_of(first_epoch), deployer.jax_seed, 0, shuffle)
+    if first.endless and max_steps is None:
+        raise ConfigError("train_examples never ends, so its first epoch would never end. Fix: "
+                          "pass max_steps=... (the number of updates to train for).")
+    if one_shot and max_steps is None and n_epochs > 1:
+        raise ConfigError(
+            f"train_examples is an iterator ({one_shot}), which can be read once, but "
+            f"n_epochs={n_epochs}. Fix: pass a function returning a fresh iterator each epoch "
+            "(e.g. `lambda epoch: my_generator(epoch)`), a re-iterable (a list, a "
+            "datasets.IterableDataset), or n_epochs=1.")
+    if one_shot and not first.endless and (n_epochs is None or n_epochs > 1):
+        # read once, so its one pass is the run's last epoch: saved and evaluated as such,
+        # not an error at the start of a second epoch after the first went unsaved
+        deployer.log_warning(
+            f"train_examples is an iterator ({one_shot}), which can be read once: this run "
+            f"trains one pass over it (n_epochs={n_epochs} and max_steps={max_steps} "
+            "notwithstanding), stopping where it ends or at max_steps. Fix, for more: pass a "
+            "function returning a fresh iterator each epoch (e.g. `lambda epoch: "
+            "my_generator(epoch)`) or a re-iterable.")
+        n_epochs = first_epoch + 1
+    return examples_of, n_epochs, first
 
 
 class FitRun:
@@ -103,11 +150,21 @@ class FitRun:
     and the epochs it trains. A context manager: leaving it finishes the saves under way and
     releases the lock, whatever happened."""
 
-    def __init__(self, trainer, schedule: Schedule, evaluation: Evaluation, config: dict,
-                 actions: list, keep_best: Sequence[tuple[str, Callable]] = ()):
+    def __init__(self, trainer, schedule: Schedule, evaluation: Evaluation, actions: list,
+                 keep_best: Sequence[tuple[str, Callable]] = ()):
         self.trainer, self.schedule, self.evaluation = trainer, schedule, evaluation
-        self.config, self.actions, self.keep_best_by = config, actions, list(keep_best)
+        self.actions, self.keep_best_by = actions, list(keep_best)
         self.deployer = trainer.deployer
+        layout = trainer.layout
+        # what a checkpoint records of the run, for a resume to compare
+        self.config = {
+            "jax_seed": self.deployer.jax_seed, "n_model_shards": layout.n_model_shards,
+            "n_data_shards": layout.n_data_shards, "n_processes": jax.process_count(),
+            "global_batch_size": trainer.global_batch_size(schedule.per_device_batch_size),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "train_size": schedule.train_size, "n_epochs": schedule.n_epochs,
+            "max_steps": schedule.max_steps, "shuffle": schedule.shuffle,
+            "compute_dtype": str(jnp.dtype(trainer.compute_dtype))}
         self.workdir = self.deployer.workdir
         self.store: CheckpointStore | None = None
         self._lock: WorkdirLock | None = None
@@ -156,9 +213,8 @@ class FitRun:
     def __enter__(self) -> FitRun:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self.close()
-        return False
 
     def resume(self) -> None:
         """Continue from the newest checkpoint where the store has one (said in the log)."""
@@ -180,7 +236,7 @@ class FitRun:
             into += (f": its first {progress.examples} examples"
                      f"{' (in its order)' if listed else ''} were trained before the "
                      "checkpoint and are skipped")
-            if listed:
+            if resumed is not None and listed:
                 left = updates_after(len(resumed), progress.examples, per_update, progress.epoch)
                 into += f"; {left} updates of {per_update} remain"
         self.deployer.log_info(f"resumed from {self.store.directory}/{meta['step']}: step "
@@ -343,7 +399,7 @@ class FitRun:
         self.stop_reason = None
         if self.epoch_updates is None or position < self.epoch_updates:
             trainer.train(self.source, schedule.per_device_batch_size,
-                          desc=f"epoch {epoch + 1}{schedule.of()}", epoch=epoch,
+                          desc=f"epoch {epoch + 1}{schedule.out_of()}", epoch=epoch,
                           log_every_n_steps=schedule.log_every_n_steps, start_position=position,
                           after_step=self._after_step, start_example=skip,
                           check_layout=schedule.check_layout,
@@ -364,6 +420,7 @@ class FitRun:
 
     def _say_leftover(self, epoch: int, skip: int) -> None:
         per_update, source = self.schedule.per_update, self.source
+        assert source is not None  # set by _train_epoch
         # resumed at an example that is not a multiple of the update: said anew
         anew = skip % per_update != 0
         left = (source.leftover if source.length is None else
@@ -371,16 +428,6 @@ class FitRun:
         if left:
             self.deployer.log_info(f"epoch {epoch + 1}: its last {left} examples do not fill an "
                                    f"update of {per_update} and were left out.")
-
-
-def updates_after(n_examples: int, consumed: int, per_update: int, epoch: int) -> int:
-    """Updates of ``per_update`` left in an epoch of ``n_examples`` once ``consumed`` are trained."""
-    if consumed > n_examples:
-        raise DataError(
-            f"epoch {epoch + 1} has {n_examples} training examples, but {consumed} of them were "
-            "trained on before the resumed checkpoint: these are not the examples the interrupted "
-            "run trained on. Fix: give the same examples on resume, or resume=False.")
-    return (n_examples - consumed) // per_update
 
 
 def _has_best(directory) -> bool:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import ConfigError, LayoutCheckError
 from .host import to_host
 from .sharding.context import laid_out_for
 from .sharding.paths import leaves_with_paths, path_to_str
@@ -113,6 +114,32 @@ def rounded_differently(params, seed=0):
         sign = np.where(rng.random(x.shape) < 0.5, -1.0, 1.0).astype(np.float32)
         return (x.astype(np.float32) * (1 + sign * float(jnp.finfo(x.dtype).eps))).astype(x.dtype)
     return jax.tree_util.tree_map(move, params)
+
+
+def first_rows(examples, collate_fn, per_device_batch_size, mesh):
+    """The first ``per_device_batch_size`` x data shards of ``examples`` (a sequence), placed
+    on ``mesh``: the micro-batch a layout is checked on."""
+    from .data import BatchMaker, is_sequence
+    if not is_sequence(examples):
+        raise ConfigError(f"check_layout takes a sequence of examples (a list, a Dataset), "
+                          f"not {type(examples).__name__}. Fix: pass list(...) of a few batches.")
+    n = per_device_batch_size * mesh.shape["dp"]
+    if len(examples) < n:
+        raise ConfigError(f"check_layout needs {n} examples (per_device_batch_size="
+                          f"{per_device_batch_size} x {mesh.shape['dp']} data shards); "
+                          f"{len(examples)} were given.")
+    return BatchMaker(mesh, collate_fn, n).make(examples, np.arange(n))
+
+
+def check_or_raise(layout, recipe, state, batch, rng, rtol=None):
+    """:func:`check_layout`, raising :class:`LayoutCheckError` (with what to do) if it fails."""
+    report = check_layout(layout, recipe, state, batch, rng, rtol)
+    if not report.ok:
+        raise LayoutCheckError(
+            f"{report}\nThis is a bug in redcoast's layout (please report it with this "
+            "message). Until it is fixed, train in a layout that passes this check: try "
+            "fuse_matmuls=False, then fsdp=False, then n_model_shards=1.")
+    return report
 
 
 def check_layout(layout, recipe, state, batch, rng, rtol=None):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 
+from .abstract import placed, shapes_of
 from .layout import Recipe, choose_layout
 from .layout_memory import LayoutMemory
 from .sharding.dataflow import FALLBACK
@@ -47,6 +49,20 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
         deployer.log_info(layout.plan.table(), title=f"Sharding plan (from {layout.source})")
         deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
     return layout
+
+
+def moved_to(layout, old, state, abstract: bool, keys: tuple) -> tuple:
+    """``(state, keys)`` moved from layout ``old`` to ``layout`` (the state donated: a model may
+    fill the devices); between layouts the state is in the user's layout. On shapes alike."""
+    if abstract:
+        user = jax.eval_shape(old.stored.state_to_user, state)
+        state = shapes_of(layout.stored.state_to_storage,
+                          placed(user, layout.state_shardings), layout.state_shardings)
+        return state, placed(keys, (layout.replicated, layout.replicated))
+    user = old.stored.state_to_user(state)
+    state = layout.stored.state_to_storage(
+        jax.device_put(user, layout.state_shardings, donate=True))
+    return state, jax.device_put(keys, layout.replicated)
 
 
 def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> LayoutMemory | None:

@@ -63,6 +63,31 @@ class Progress:
                    eval_key=place(key_from_json(meta["eval_rng"])))
 
 
+def checkpoint_meta(progress: Progress, epoch: int, position: int, config: Mapping | None,
+                    examples: int | None, stream_fingerprint: str | None,
+                    frozen_fingerprint: Any, to_host: Callable[[Any], Any]) -> dict:
+    """A checkpoint's record: where a run resumed from it starts (``position`` updates and
+    ``examples`` examples into ``epoch``; ``examples`` None: ``position`` updates of
+    ``config``'s size where it has one, else left out), the run's ``config``, the fingerprint of
+    a stream's consumed examples and of the frozen parameters the state was trained on."""
+    if examples is None and (position == 0 or per_update_of(config) is not None):
+        examples = position * (per_update_of(config) or 0)
+    at = progress.replace(epoch=epoch, position=position, examples=examples or 0)
+    meta = {**at.to_meta(to_host), "config": dict(config or {})}
+    if examples is None:  # unknown: a resume takes position updates of its own size
+        del meta["examples_consumed"]
+    if stream_fingerprint is not None:  # what the consumed examples were
+        meta["stream_fingerprint"] = stream_fingerprint
+    meta["frozen_params"] = frozen_fingerprint  # which base adapters need
+    return meta
+
+
+def saved_part(state) -> dict:
+    """What a checkpoint holds of a TrainState (of arrays, or of their shardings)."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+            "nonfinite_step": state.nonfinite_step}
+
+
 def per_update_of(config: Mapping | None) -> int | None:
     """Examples per update recorded in a run's ``config``, or None."""
     config = config or {}
@@ -71,15 +96,15 @@ def per_update_of(config: Mapping | None) -> int | None:
     return int(config["global_batch_size"]) * int(config["accumulate_grad_batches"])
 
 
-def examples_trained(meta: Mapping, per_update: int, warn: Callable[[str], None]) -> int:
+def examples_trained(meta: Mapping, per_update: int | None, warn: Callable[[str], None]) -> int:
     """Examples of the checkpoint's epoch (in its order) trained before it. A checkpoint of the
     earlier format records only updates: of the size its config records, else (said with
-    ``warn``) of this run's ``per_update``."""
+    ``warn``) of this run's ``per_update`` (None: not known, taken as 0)."""
     if "examples_consumed" in meta:
         return int(meta["examples_consumed"])
     position = int(meta["position"])
     recorded = per_update_of(meta.get("config"))
-    if position == 0 or recorded is not None:
+    if position == 0 or recorded is not None or per_update is None:
         return position * (recorded or 0)
     warn(f"the checkpoint at step {meta['step']} does not record how many examples of epoch "
          f"{meta['epoch'] + 1} it trained, only {position} updates, nor their size: taking "

@@ -3,10 +3,42 @@ for the check, before the first step on an accelerator, that the step fits a dev
 
 from __future__ import annotations
 
+import time
+
 import jax
 
+from .host import to_host
 from .memory_check import StepMemory, require_fits
 from .throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
+
+
+class LogWindow:
+    """The metrics of the updates since the last log line, and the wall time of those after
+    the first update of a loop (whose call compiles), pulled in one host sync, so that the
+    window holds their execution, not only their dispatch."""
+
+    def __init__(self, every: int, end: int | None, first_position: int):
+        self.every, self.end, self.first_position = every, end, first_position
+        self.pending: list = []
+        self.timed, self.since = 0, time.perf_counter()
+
+    def add(self, metrics, position: int) -> bool:
+        """The metrics of the update that reached ``position``; True: time to log."""
+        self.pending.append(metrics)
+        if position == self.first_position + 1:  # the first call compiles: time from its end
+            self.since = time.perf_counter()
+        else:
+            self.timed += 1
+        return len(self.pending) == self.every or position == self.end
+
+    def pull(self, nonfinite_step) -> tuple[list, int, int, float]:
+        """``(metrics, first non-finite step or -1, timed updates, their seconds)``; the next
+        window starts at :meth:`restart` (after the logging, which it does not time)."""
+        history, bad_step = to_host((self.pending, nonfinite_step))
+        return history, int(bad_step), self.timed, time.perf_counter() - self.since
+
+    def restart(self) -> None:
+        self.pending, self.timed, self.since = [], 0, time.perf_counter()
 
 
 class StepMeter:

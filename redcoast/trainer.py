@@ -5,33 +5,29 @@ How ``fit`` reaches the compiled step, and the words the code uses, are in docs/
 
 from __future__ import annotations
 
-import math
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from . import validate
-from .abstract import is_abstract, placed, shapes_of
+from .abstract import placed
 from .actions import fit_actions
-from .data import BatchMaker, EpochData, examples_by_epoch, is_iterator, is_sequence, prefetch
-from .errors import ConfigError, DataError, LayoutCheckError, NonFiniteLossError
+from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
+from .errors import ConfigError, NonFiniteLossError
 from .evaluation import EvalRun, check_eval_loss
 from .export import save_params
 from .fingerprint import check_fingerprint, fingerprint
-from .fit_run import Evaluation, FitRun, Schedule, updates_after
+from .fit_run import Evaluation, FitRun, Schedule, epochs_of
+from .initial_state import initial_state, with_params
 from .host import to_host
 from .launch import heartbeat
-from .layout import Candidate, Recipe, build_layout, frozen_shardings, lower_train_step, placed_on, shape_plan
-from .layout_check import check_layout
-from .layout_choice import choose_run_layout
+from .layout import Candidate, Recipe, build_layout, lower_train_step
+from .layout_check import check_or_raise, first_rows
+from .layout_choice import choose_run_layout, moved_to
 from .predictor import Predictor
-from .progress import Progress, examples_trained, per_update_of
-from .step_meter import StepMeter
-from .train_state import TrainState
+from .progress import Progress, checkpoint_meta, examples_trained, saved_part
+from .step_meter import LogWindow, StepMeter
 
 
 class Trainer:
@@ -97,51 +93,18 @@ class Trainer:
                     Candidate(deployer.n_model_shards, fsdp is not False, bool(fuse_matmuls)))
 
     def _start(self, params, optimizer, apply_fn, frozen_params, first):
-        """The state, progress and first layout from ``params`` (placed by a plan from their
-        shapes alone, so that trainer.params is usable at once; the first batch replaces that
-        layout by one traced from the loss's data flow)."""
-        deployer, mesh = self.deployer, self.deployer.mesh
+        """The state, progress and first layout from ``params``, placed by a plan from their
+        shapes alone so that trainer.params is usable at once (initial_state.py); the first
+        batch replaces that layout by one traced from the loss's data flow."""
+        start = initial_state(self.recipe, self.deployer, params, optimizer, apply_fn,
+                              frozen_params, first)
+        self._state, self.is_abstract, self._host_keys = start.state, start.abstract, start.host_keys
+        self._progress = Progress(train_key=start.keys[0], eval_key=start.keys[1])
         self._layout_checked = False  # by check_layout, or by train/fit(check_layout=True)
-        plan = shape_plan(self.recipe, first, mesh, params)
-        param_shardings = plan.param_shardings()
-        # parameters as jax.ShapeDtypeStructs: plan and compile, nothing allocated (abstract.py)
-        self.is_abstract = is_abstract(params)
-        if self.is_abstract:
-            params = placed(params, param_shardings)
-        else:  # The step donates its state, which must never delete the caller's arrays, and
-            # device_put may reuse their buffers: a compiled copy owns fresh ones.
-            params = jax.jit(_copy_tree, out_shardings=param_shardings)(
-                jax.device_put(params, param_shardings))
-        opt_shardings = plan.opt_state_shardings(jax.eval_shape(optimizer.init, params))
-        opt_state = (shapes_of(optimizer.init, params, opt_shardings) if self.is_abstract else
-                     jax.jit(optimizer.init, out_shardings=opt_shardings)(params))
-        if frozen_params is not None and (self.is_abstract or is_abstract(frozen_params)):
-            frozen_params = placed(frozen_params, frozen_shardings(frozen_params, mesh))
-        elif frozen_params is not None:  # a copy the step may donate, as for params
-            shardings = frozen_shardings(frozen_params, mesh)
-            if deployer.n_model_shards > 1 and not placed_on(frozen_params, mesh):
-                deployer.log_warning(
-                    "frozen_params are placed by a plan from their shapes alone. For the plan "
-                    "traced from the model's data flow, pass them placed: from_pretrained(..., "
-                    "deployer) does it, or jax.device_put(tree, deployer.get_sharding_plan(tree, "
-                    "traced_fn=apply_fn, example_args=...).param_shardings()).")
-            frozen_params = jax.jit(_copy_tree, out_shardings=shardings)(
-                jax.device_put(frozen_params, shardings))
-        replicated = NamedSharding(mesh, P())
-        keys = deployer.gen_rng(), deployer.gen_rng()  # drawn alike either way: same streams
-        if self.is_abstract:  # counters and keys as shapes too: the devices may be compile-only
-            self._keys_to_place = keys  # by set_params
-            scalar = lambda v: jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)  # noqa: E731
-            keys = placed(keys, (replicated, replicated))
-        else:
-            scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), replicated)  # noqa: E731
-            keys = jax.device_put(keys, replicated)
-        self._state = TrainState(step=scalar(0), params=params, opt_state=opt_state,
-                                 nonfinite_step=scalar(-1), apply_fn=apply_fn, tx=optimizer,
-                                 frozen_params=frozen_params)
-        self._progress = Progress(train_key=keys[0], eval_key=keys[1])
-        self.layout = build_layout(self.recipe, first, mesh, plan, self._state, final=False)
-        self._meter = StepMeter(self.layout, self.compute_dtype, self.accumulate_grad_batches, deployer)
+        self.layout = build_layout(self.recipe, first, self.deployer.mesh, start.plan,
+                                   self._state, final=False)
+        self._meter = StepMeter(self.layout, self.compute_dtype, self.accumulate_grad_batches,
+                                self.deployer)
 
     # ----------------------------------------------------------------------------- the run's state
 
@@ -215,43 +178,14 @@ class Trainer:
     def set_params(self, params, reset_opt_state=True):
         """Continue from ``params`` (the structure and shapes of ``trainer.params``, e.g. a FedAvg
         round's average) with the steps already compiled; the optimizer state starts afresh
-        unless ``reset_opt_state=False``. The caller's arrays are copied, never donated."""
-        current = jax.tree_util.tree_map(lambda x: (x.shape, jnp.dtype(x.dtype)), self._state.params)
-        given = jax.tree_util.tree_map(lambda x: (np.shape(x), jnp.dtype(x.dtype)), params)
-        if given != current:
-            raise ConfigError("set_params was given parameters of another structure, shape or "
-                              "dtype than trainer.params. Fix: pass a tree shaped like "
-                              "trainer.params (build a new Trainer for another model).")
-        if self.is_abstract:
-            self._check_can_be_concrete()
-        params = self.layout.stored.params_to_storage(
-            jax.jit(_copy_tree, out_shardings=self.layout.state_shardings.params)(
-                jax.device_put(params, self.layout.state_shardings.params)))  # from any mesh
-        state = self._state.replace(params=params)
-        if reset_opt_state or self.is_abstract:  # an abstract optimizer state has nothing to keep
-            state = state.replace(opt_state=jax.jit(
-                state.tx.init, out_shardings=self.layout.state_shardings.opt_state)(params))
-        if self.is_abstract:  # the counters and keys a Trainer built from these params starts with
-            replicated = self.layout.replicated
-            state = state.replace(step=jax.device_put(jnp.int32(0), replicated),
-                                  nonfinite_step=jax.device_put(jnp.int32(-1), replicated))
-            train_key, eval_key = jax.device_put(self._keys_to_place, replicated)
-            self._progress = self._progress.replace(train_key=train_key, eval_key=eval_key)
-        self._state = state
+        unless ``reset_opt_state=False``. The caller's arrays are copied, never donated. A
+        Trainer built from abstract parameters becomes concrete."""
+        self._state = with_params(self.layout, self._state, params, reset_opt_state,
+                                  self.is_abstract, self.deployer.platform)
+        if self.is_abstract:  # the keys a Trainer built from these params starts with
+            keys = jax.device_put(self._host_keys, self.layout.replicated)
+            self._progress = self._progress.replace(train_key=keys[0], eval_key=keys[1])
         self.is_abstract = False
-
-    def _check_can_be_concrete(self):
-        here = set(jax.devices())
-        if not all(d in here for d in self.layout.mesh.devices.flat):
-            raise ConfigError(
-                f"set_params cannot make this Trainer concrete: its devices "
-                f"({self.deployer.platform}, e.g. {self.layout.mesh.devices.flat[0]}) are a "
-                "compile-only target, not devices of this machine. Fix: plan and compile here; "
-                "build the Trainer for training on the machine that has those devices.")
-        if self._state.frozen_params is not None and is_abstract(self._state.frozen_params):
-            raise ConfigError("set_params cannot make this Trainer concrete: its frozen_params "
-                              "are abstract (jax.ShapeDtypeStruct) too. Fix: build the Trainer "
-                              "with the real frozen_params.")
 
     def _require_concrete(self, doing):
         """Refuse ``doing`` on a Trainer built from abstract parameters."""
@@ -297,39 +231,18 @@ class Trainer:
                                           lambda mesh: _abstract(batch_for(mesh))))
 
     def _adopt(self, layout):
-        """Run in ``layout`` from now on: the state and random keys move to it (donated: a model
-        may fill the devices). Between layouts the state is in the user's layout."""
-        old, progress = self.layout, self._progress
+        """Run in ``layout`` from now on: the state and random keys move to it (donated)."""
+        self._state, keys = moved_to(layout, self.layout, self._state, self.is_abstract,
+                                     (self._progress.train_key, self._progress.eval_key))
+        self._progress = self._progress.replace(train_key=keys[0], eval_key=keys[1])
         self.layout = layout
         self._meter = StepMeter(layout, self.compute_dtype, self.accumulate_grad_batches,
                                 self.deployer)
-        keys = progress.train_key, progress.eval_key
-        if self.is_abstract:  # the same conversions, on shapes
-            state = jax.eval_shape(old.stored.state_to_user, self._state)
-            self._state = shapes_of(layout.stored.state_to_storage,
-                                    placed(state, layout.state_shardings), layout.state_shardings)
-            keys = placed(keys, (layout.replicated, layout.replicated))
-        else:
-            state = old.stored.state_to_user(self._state)
-            self._state = layout.stored.state_to_storage(
-                jax.device_put(state, layout.state_shardings, donate=True))
-            keys = jax.device_put(keys, layout.replicated)
-        self._progress = progress.replace(train_key=keys[0], eval_key=keys[1])
 
     def _first_batch(self, source, per_device_batch_size, mesh):
-        """One micro-batch of ``source`` (an :class:`EpochData`) on ``mesh``, for tracing and
-        measuring the step (a stream's first examples are read ahead and kept for training)."""
-        global_batch = per_device_batch_size * mesh.shape["dp"]
-        examples, indices = source.first(global_batch)
-        if source.length is not None:  # enough for one update on this mesh
-            _updates_per_epoch(source.length, per_device_batch_size, mesh.shape["dp"],
-                               self.accumulate_grad_batches)
-        elif len(indices) < global_batch:
-            raise ConfigError(
-                f"train_examples ended after {len(indices)} examples, fewer than one batch of "
-                f"{global_batch} (per_device_batch_size={per_device_batch_size} x "
-                f"{mesh.shape['dp']} data shards). Fix: use a smaller batch size.")
-        return BatchMaker(mesh, self.collate_fn, global_batch).make(examples, indices)
+        """One micro-batch of ``source`` on ``mesh``, for tracing and measuring the step."""
+        return source.first_batch(self.collate_fn, per_device_batch_size, mesh,
+                                  self.accumulate_grad_batches)
 
     def compile_train_step(self, example_batch):
         """The compiled training step for global batches shaped like ``example_batch`` (a dict
@@ -356,8 +269,8 @@ class Trainer:
 
     def updates_per_epoch(self, n_examples, per_device_batch_size):
         """Optimizer updates in one epoch (the last incomplete batch is dropped)."""
-        return _updates_per_epoch(n_examples, per_device_batch_size, self.layout.n_data_shards,
-                                  self.accumulate_grad_batches)
+        return updates_per_epoch(n_examples, per_device_batch_size, self.layout.n_data_shards,
+                                 self.accumulate_grad_batches)
 
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
               log_every_n_steps=10, start_position=0, after_step=None, start_example=None,
@@ -389,15 +302,17 @@ class Trainer:
             self._check_layout_on(first_batch(self.mesh), rtol=None)
         per_update = self._per_update(per_device_batch_size)
         skip = start_position * per_update if start_example is None else int(start_example)
-        n_steps = self._skip(source, skip, per_device_batch_size, epoch, start_position,
-                             start_fingerprint)
+        if source.length is not None:
+            self.updates_per_epoch(source.length, per_device_batch_size)  # one update fits
+        left = source.skip_trained(skip, per_update, epoch, start_fingerprint)
+        n_steps = None if left is None else start_position + left
         self._progress = self._progress.replace(epoch=epoch, position=start_position, examples=skip)
         maker = BatchMaker(self.mesh, self.collate_fn, self.global_batch_size(per_device_batch_size),
                            micro_batches=self.accumulate_grad_batches)
         batches = prefetch(maker.make(*update) for update in source.updates(per_update))
         bar = tqdm(total=n_steps, initial=start_position, desc=desc or "train", dynamic_ncols=True,
                    disable=not (self.deployer.verbose and jax.process_index() == 0))
-        pending, timed, since = [], 0, time.perf_counter()
+        window = LogWindow(log_every_n_steps, n_steps, start_position)
         try:
             for batch in batches:
                 if self._progress.position == start_position:
@@ -406,20 +321,13 @@ class Trainer:
                                                               self._progress.train_key)
                 heartbeat()  # redcoast launch's watchdog: this process makes progress
                 self._progress = self._progress.after_update(per_update)
-                position = self._progress.position
-                pending.append(metrics)
-                if position == start_position + 1:  # the first call compiles: time from its end
-                    since = time.perf_counter()
-                else:
-                    timed += 1
-                if len(pending) == log_every_n_steps or position == n_steps:
-                    self._log_train(pending, bar, batch, timed, since)
-                    pending, timed, since = [], 0, time.perf_counter()
+                if window.add(metrics, self._progress.position):
+                    self._log_train(window, bar, batch)
                 bar.update(1)
-                if after_step is not None and after_step(position):
+                if after_step is not None and after_step(self._progress.position):
                     break
-            if pending:  # the end of a stream, or a stop before the logging interval
-                self._log_train(pending, bar, batch, timed, since)
+            if window.pending:  # the end of a stream, or a stop before the logging interval
+                self._log_train(window, bar, batch)
         finally:
             bar.close()
         if source.stream is not None and skip == 0 and self._progress.position == 0:
@@ -431,33 +339,6 @@ class Trainer:
                 "batch size.")
         return self._progress.position
 
-    def _skip(self, source, skip, per_device_batch_size, epoch, start_position, fingerprint):
-        """Pass over the ``skip`` examples of the epoch trained before; the epoch's updates in
-        all (None for a stream)."""
-        per_update = self._per_update(per_device_batch_size)
-        if source.length is not None:
-            self.updates_per_epoch(source.length, per_device_batch_size)  # one update fits
-            n_steps = start_position + updates_after(source.length, skip, per_update, epoch)
-            source.skip(skip)
-            return n_steps
-        skipped = source.skip(skip)
-        if skipped == skip and fingerprint is not None and source.fingerprint(skip) != fingerprint:
-            raise DataError(
-                f"train_examples gives other examples than the interrupted run read: the "
-                f"first {skip} examples of epoch {epoch + 1}, which the checkpoint says were "
-                "trained on, are not those (their fingerprint differs), so skipping them "
-                "would leave examples untrained and train others twice. Fix: give the same "
-                "examples in the same order on resume (a function of the epoch or a "
-                "re-iterable that starts the epoch afresh), or resume=False to start afresh.")
-        if skipped < skip:
-            raise DataError(
-                f"train_examples ended after {skipped} examples of epoch {epoch + 1}, but "
-                f"{skip} of them were trained on before the resumed "
-                "checkpoint: it is not the stream the interrupted run read. Fix: give the "
-                "same examples in the same order on resume (a function of the epoch or a "
-                "re-iterable that starts the epoch afresh), or resume=False.")
-        return None
-
     def _check_finite(self):
         """Raise if a loss was NaN or inf (one host sync): such a state is never saved."""
         bad_step = int(to_host(self._state.nonfinite_step))
@@ -468,16 +349,14 @@ class Trainer:
         """Stop at the first non-finite loss: the step count goes back to the updates applied
         (those from ``bad_step`` on were not), and the error says so."""
         self.set_progress(self._progress.replace(step=bad_step))
-        raise NonFiniteLossError(_nonfinite_message(bad_step, value))
+        raise NonFiniteLossError.at(bad_step, value)
 
-    def _log_train(self, pending, bar, batch, timed, since):
-        """Pull the metrics of the last few steps (one host sync), check them, log them with
-        the throughput of the ``timed`` steps run since ``since`` (timed after that sync, so
-        the window holds their execution, not only their dispatch)."""
-        history, bad_step = to_host((pending, self._state.nonfinite_step))
-        elapsed = time.perf_counter() - since
+    def _log_train(self, window, bar, batch):
+        """Pull the metrics of the window's steps (one host sync), check them, and log them
+        with the throughput of its timed steps."""
+        history, bad_step, timed, elapsed = window.pull(self._state.nonfinite_step)
         if bad_step >= 0:
-            self._nonfinite(int(bad_step), _describe_nonfinite(history))
+            self._nonfinite(int(bad_step), NonFiniteLossError.first_bad(history))
         means = {k: float(np.mean([m[k] for m in history])) for k in history[-1]}
         if self.lr_schedule_fn is not None:
             means["lr"] = float(self.lr_schedule_fn(self._progress.step - 1))
@@ -487,6 +366,7 @@ class Trainer:
         bar.set_postfix({k: f"{v:.4g}" for k, v in means.items() if v is not None},
                         refresh=False)
         self.deployer.log_metrics({f"train_{k}": v for k, v in means.items()}, self._progress.step)
+        window.restart()
 
     def fit(self, train_examples, per_device_batch_size, n_epochs, eval_examples=None,
             eval_per_device_batch_size=None, eval_loss=True, eval_predictor=None,
@@ -513,7 +393,9 @@ class Trainer:
         ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
         exactly as if it had never stopped (a stream is started afresh and the examples already
         trained on skipped); resumed with another batch size, the epoch goes on at its first
-        example not trained yet. Without a checkpoint, the run starts at ``trainer.progress``.
+        example not trained yet. Without a checkpoint, the run starts at the beginning of epoch
+        ``trainer.progress.epoch`` (0, or after redco's ``last_ckpt_info``; after an earlier
+        ``fit``, where it ended).
         A checkpoint is written before the evaluation that follows it; an evaluation that fails
         raises :class:`~redcoast.errors.EvaluationError`, which says where that checkpoint is.
         ``check_layout=True``: before the first update, the layout is checked against one
@@ -530,13 +412,18 @@ class Trainer:
         wants_saving = bool(save_every_n_steps or save_every_k_epochs or save_last_ckpt or keep_best)
         if wants_saving and self.deployer.workdir is None:
             raise ConfigError("Saving checkpoints needs a workdir. Fix: pass workdir=... to Deployer.")
-        schedule = self._schedule(train_examples, per_device_batch_size, n_epochs, max_steps,
-                                  shuffle, log_every_n_steps, check_layout)
+        examples_of, n_epochs, first = epochs_of(train_examples, n_epochs, max_steps, shuffle,
+                                                 self._progress.epoch, self.deployer)
+        # the layout first: checkpoints are restored straight into it
+        self._settle_layout(lambda mesh: self._first_batch(first, per_device_batch_size, mesh))
+        schedule = Schedule.of(examples_of, first, train_examples, n_epochs, max_steps,
+                               per_device_batch_size, self._per_update(per_device_batch_size),
+                               shuffle, log_every_n_steps, check_layout, self.deployer.log_info)
         evaluation = Evaluation(eval_examples, eval_per_device_batch_size or per_device_batch_size,
                                 eval_loss, eval_predictor, eval_metric_fn)
         actions = fit_actions(save_every_n_steps, eval_every_n_steps, max_steps,
                               log_every_n_steps, save_every_k_epochs, save_last_ckpt)
-        run = FitRun(self, schedule, evaluation, self._run_config(schedule), actions, keep_best)
+        run = FitRun(self, schedule, evaluation, actions, keep_best)
         with run.open(keep_last_n_ckpts, resume, wants_saving):
             if resume:
                 run.resume()
@@ -544,54 +431,6 @@ class Trainer:
                 check_eval_loss(self.loss_fn, self.collate_fn, self.compute_dtype, self._state,
                                 self._progress.eval_key, eval_examples)
             run.train()
-
-    def _schedule(self, train_examples, per_device_batch_size, n_epochs, max_steps, shuffle,
-                  log_every_n_steps, check_layout):
-        """What ``fit`` trains on, epoch by epoch, and for how long; the layout settled on the
-        first epoch's first batch (checkpoints are restored straight into it)."""
-        one_shot = type(train_examples).__name__ if is_iterator(train_examples) else None
-        examples_of = examples_by_epoch(train_examples)  # epoch -> a sequence or a Stream
-        first = EpochData(examples_of(self._progress.epoch), self.deployer.jax_seed, 0, shuffle)
-        if first.endless and max_steps is None:
-            raise ConfigError("train_examples never ends, so its first epoch would never end. Fix: "
-                              "pass max_steps=... (the number of updates to train for).")
-        if one_shot and max_steps is None and n_epochs > 1:
-            raise ConfigError(
-                f"train_examples is an iterator ({one_shot}), which can be read once, but "
-                f"n_epochs={n_epochs}. Fix: pass a function returning a fresh iterator each epoch "
-                "(e.g. `lambda epoch: my_generator(epoch)`), a re-iterable (a list, a "
-                "datasets.IterableDataset), or n_epochs=1.")
-        if one_shot and not first.endless and (n_epochs is None or n_epochs > 1):
-            # read once, so its one pass is the run's last epoch: saved and evaluated as such,
-            # not an error at the start of a second epoch after the first went unsaved
-            self.deployer.log_warning(
-                f"train_examples is an iterator ({one_shot}), which can be read once: this run "
-                f"trains one pass over it (n_epochs={n_epochs} and max_steps={max_steps} "
-                "notwithstanding), stopping where it ends or at max_steps. Fix, for more: pass a "
-                "function returning a fresh iterator each epoch (e.g. `lambda epoch: "
-                "my_generator(epoch)`) or a re-iterable.")
-            n_epochs = self._progress.epoch + 1
-        self._settle_layout(lambda mesh: self._first_batch(first, per_device_batch_size, mesh))
-        per_update = self._per_update(per_device_batch_size)
-        fixed = is_sequence(train_examples)  # the same examples every epoch
-        if fixed and first.length % per_update:  # said once, not every epoch
-            n_steps = self.updates_per_epoch(first.length, per_device_batch_size)
-            self.deployer.log_info(
-                f"each epoch trains on {n_steps * per_update} of the {first.length} examples: the "
-                f"last {first.length % per_update} of its order (shuffled anew each epoch) do not "
-                f"fill an update of {per_update} and are left out.")
-        return Schedule(examples_of, n_epochs, max_steps, per_device_batch_size, per_update,
-                        shuffle, fixed, first.length, one_shot, log_every_n_steps, check_layout)
-
-    def _run_config(self, schedule):
-        """What a checkpoint records of the run, for a resume to compare."""
-        return {"jax_seed": self.deployer.jax_seed, "n_model_shards": self.layout.n_model_shards,
-                "n_data_shards": self.layout.n_data_shards, "n_processes": jax.process_count(),
-                "global_batch_size": self.global_batch_size(schedule.per_device_batch_size),
-                "accumulate_grad_batches": self.accumulate_grad_batches,
-                "train_size": schedule.train_size,
-                "n_epochs": schedule.n_epochs, "max_steps": schedule.max_steps,
-                "shuffle": schedule.shuffle, "compute_dtype": str(jnp.dtype(self.compute_dtype))}
 
     # ----------------------------------------------------------------------------- evaluation
 
@@ -633,41 +472,19 @@ class Trainer:
         of the parameters makes to the one-device gradients where that is more. Nothing is
         trained."""
         self._require_concrete("check its layout against one device")
-        if not is_sequence(examples):
-            raise ConfigError(f"check_layout takes a sequence of examples (a list, a Dataset), "
-                              f"not {type(examples).__name__}. Fix: pass list(...) of a few batches.")
-
-        def micro_batch(mesh):
-            n = per_device_batch_size * mesh.shape["dp"]
-            if len(examples) < n:
-                raise ConfigError(f"check_layout needs {n} examples (per_device_batch_size="
-                                  f"{per_device_batch_size} x {mesh.shape['dp']} data shards); "
-                                  f"{len(examples)} were given.")
-            return BatchMaker(mesh, self.collate_fn, n).make(examples, np.arange(n))
-
+        micro_batch = lambda mesh: first_rows(examples, self.collate_fn, per_device_batch_size, mesh)  # noqa: E731
         self._settle_layout(micro_batch)
         return self._check_layout_on(micro_batch(self.mesh), rtol)
 
     def _check_layout_on(self, batch, rtol):
         """Check the current layout on one micro-batch (placed); raise if it fails."""
-        report = check_layout(self.layout, self.recipe, self._state, batch,
-                              self._progress.train_key, rtol)
+        report = check_or_raise(self.layout, self.recipe, self._state, batch,
+                                self._progress.train_key, rtol)
         self._layout_checked = True
-        if not report.ok:
-            raise LayoutCheckError(
-                f"{report}\nThis is a bug in redcoast's layout (please report it with this "
-                "message). Until it is fixed, train in a layout that passes this check: try "
-                "fuse_matmuls=False, then fsdp=False, then n_model_shards=1.")
         self.deployer.log_info(str(report))
         return report
 
     # ----------------------------------------------------------------------------- checkpoints
-
-    @staticmethod
-    def _saved_part(state):
-        """What a checkpoint holds of a TrainState (of arrays, or of their shardings)."""
-        return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
-                "nonfinite_step": state.nonfinite_step}
 
     def save_checkpoint(self, store, epoch, position, config=None, examples_consumed=None,
                         stream_fingerprint=None):
@@ -677,16 +494,9 @@ class Trainer:
         None, ``examples_consumed`` is ``position`` updates of ``config``'s size where it has one.
         ``stream_fingerprint``: of a stream's consumed examples, for the resume to compare."""
         self._check_finite()
-        if examples_consumed is None and (position == 0 or per_update_of(config) is not None):
-            examples_consumed = position * (per_update_of(config) or 0)
-        at = self._progress.replace(epoch=epoch, position=position, examples=examples_consumed or 0)
-        meta = {**at.to_meta(to_host), "config": config or {}}
-        if examples_consumed is None:  # unknown: a resume takes position updates of its own size
-            del meta["examples_consumed"]
-        if stream_fingerprint is not None:  # what the consumed examples were
-            meta["stream_fingerprint"] = stream_fingerprint
-        meta["frozen_params"] = fingerprint(self._state.frozen_params)  # which base adapters need
-        store.save(self._progress.step, self._saved_part(self.state), meta)  # in the user's layout
+        meta = checkpoint_meta(self._progress, epoch, position, config, examples_consumed,
+                               stream_fingerprint, fingerprint(self._state.frozen_params), to_host)
+        store.save(self._progress.step, saved_part(self.state), meta)  # in the user's layout
         return meta
 
     def restore_checkpoint(self, store, per_update=None):
@@ -695,7 +505,7 @@ class Trainer:
         for a checkpoint of the earlier format that recorded only updates."""
         abstract = jax.tree_util.tree_map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-            self._saved_part(self._state), self._saved_part(self.layout.state_shardings))
+            saved_part(self._state), saved_part(self.layout.state_shardings))
         restored = store.restore_latest_or_fail(abstract)
         if restored is None:
             return None
@@ -703,40 +513,13 @@ class Trainer:
         check_fingerprint(meta.get("frozen_params"), self._state.frozen_params,  # its base
                           where=f"The checkpoint {store.directory}/{meta['step']}")
         self._state = self.layout.stored.state_to_storage(self._state.replace(**arrays))
-        examples = (examples_trained(meta, per_update, self.deployer.log_warning) if per_update
-                    else meta.get("examples_consumed",
-                                  int(meta["position"]) * (per_update_of(meta.get("config")) or 0)))
         self._progress = Progress.from_meta(
-            meta, examples, lambda key: jax.device_put(key, self.layout.replicated))
+            meta, examples_trained(meta, per_update, self.deployer.log_warning),
+            lambda key: jax.device_put(key, self.layout.replicated))
         return meta
-
-
-def _nonfinite_message(step, value):
-    return (f"The training loss became {value} at step {step} (counting from 0), so training "
-            "stopped and no checkpoint was written after it; the last checkpoint on disk, if any, "
-            "is from before it. Fix: lower the learning rate, add warmup or gradient clipping "
-            "(optax.clip_by_global_norm), or check that step's batch for bad values.")
-
-
-def _updates_per_epoch(n_examples, per_device_batch_size, n_data_shards, accumulate_grad_batches):
-    per_update = per_device_batch_size * n_data_shards * accumulate_grad_batches
-    if n_examples < per_update:
-        raise ConfigError(
-            f"{n_examples} training examples do not fill one update of {per_update} "
-            f"(per_device_batch_size={per_device_batch_size} x {n_data_shards} data shards x "
-            f"accumulate_grad_batches={accumulate_grad_batches}). Fix: use a smaller batch size.")
-    return n_examples // per_update
-
-
-def _describe_nonfinite(history):
-    losses = [float(m["loss"]) for m in history]
-    bad = [x for x in losses if not math.isfinite(x)]
-    return str(bad[0]) if bad else "NaN or inf"
 
 
 def _abstract(tree):
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(getattr(x, "shape", None) or np.shape(x), x.dtype), tree)
 
 
-def _copy_tree(tree):
-    return jax.tree_util.tree_map(jnp.copy, tree)

@@ -288,6 +288,40 @@ def test_launch_a_hung_process_is_named(tmp_path):
     assert "Fix: find where process 1 waits" in out
 
 
+@pytest.mark.slow  # 20 s: a silent evaluation and prediction, each longer than the stall timeout
+def test_launch_a_healthy_silent_evaluation_and_prediction_are_not_taken_for_a_hang(tmp_path):
+    # each batch's collate_fn sleeps: 6 batches x 1 s = 6 s without a line of output, over
+    # --stall-timeout 4; the loops touch the heartbeat every batch, so the launch completes
+    code, out = launch(["-n", "1", "--stall-timeout", "4"], tmp_path, """
+        print("importing", flush=True)
+        import time
+        import numpy as np, optax, jax.numpy as jnp
+        print("importing redcoast", flush=True)
+        from redcoast import Deployer, Trainer
+        print("imported", flush=True)
+
+        def collate(rows):
+            time.sleep(1.0)
+            return {"x": np.stack([r["x"] for r in rows])}
+
+        def loss(rng, state, params, batch, is_training):
+            return jnp.mean(batch["x"] @ params["w"])
+
+        trainer = Trainer(Deployer(jax_seed=0, verbose=False), collate, None, loss,
+                          {"w": np.ones((4,), np.float32)}, optax.sgd(0.1), fsdp=False,
+                          fuse_matmuls=False)
+        rows = [{"x": np.full(4, i, np.float32)} for i in range(6 * trainer.deployer.global_batch_size(1))]
+        print("evaluating", flush=True)
+        result = trainer.evaluate(rows, 1)["loss"]
+        print("evaluated", result, flush=True)
+        predictor = trainer.get_default_predictor(lambda rng, params, batch: batch["x"] @ params["w"])
+        predictions = predictor.predict(rows, 1, params=trainer.params)
+        print("predicted", len(predictions), flush=True)
+    """)
+    assert code == 0, out
+    assert "evaluated" in out and "predicted" in out and "made no progress" not in out
+
+
 def test_launch_an_early_exit_0_is_a_failure_named(tmp_path):
     code, out = launch(["-n", "2", "--exit-timeout", "1"], tmp_path, """
         import os, sys, time
