@@ -65,15 +65,8 @@ class Trainer:
                  lr_schedule_fn=None, accumulate_grad_batches=1, params_sharding_rules=None,
                  compute_dtype=jnp.float32, train_step_fn=None, fsdp=None, fuse_matmuls=None,
                  log_grad_norm=False, frozen_params=None, eval_by=None):
-        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn, params, frozen_params)
-        if eval_by not in (None, "example", "batch"):
-            raise ConfigError(f"eval_by={eval_by!r}; it must be 'example' (loss_fn applied to "
-                              "one example at a time, the exact mean over examples), 'batch' "
-                              "(to whole batches: a loss defined over the batch, such as a "
-                              "contrastive one) or None (decided at the first evaluation).")
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
-                              "positive integer.")
+        validate.trainer_args(collate_fn, loss_fn, optimizer, train_step_fn, params, frozen_params,
+                              accumulate_grad_batches, eval_by)
         self._eval_by = eval_by
         self.deployer = deployer
         self.collate_fn = collate_fn

@@ -88,8 +88,16 @@ def eval_examples_sequence(eval_examples):
 
 
 def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None, params=None,
-                 frozen_params=None):
-    """The functions, optimizer and parameter trees given to ``Trainer``."""
+                 frozen_params=None, accumulate_grad_batches=1, eval_by=None):
+    """The functions, optimizer, parameter trees and settings given to ``Trainer``."""
+    if eval_by not in (None, "example", "batch"):
+        raise ConfigError(f"eval_by={eval_by!r}; it must be 'example' (loss_fn applied to one "
+                          "example at a time, the exact mean over examples), 'batch' (to whole "
+                          "batches: a loss defined over the batch, such as a contrastive one) or "
+                          "None (decided at the first evaluation).")
+    if not _is_int(accumulate_grad_batches) or accumulate_grad_batches < 1:
+        raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
+                          "positive integer.")
     tree_keys("params", params)
     tree_keys("frozen_params", frozen_params)
     if not callable(collate_fn):

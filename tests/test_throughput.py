@@ -99,11 +99,13 @@ def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path, accumulate):
 
 
 def test_throughput_logging_pulls_nothing_beyond_the_metrics(monkeypatch):
+    import redcoast.step_meter as step_meter_module
     import redcoast.trainer as trainer_module
 
     pulls = []
     real = trainer_module.to_host
-    monkeypatch.setattr(trainer_module, "to_host", lambda tree: pulls.append(1) or real(tree))
+    for module in (trainer_module, step_meter_module):  # the loop's, and its logging window's
+        monkeypatch.setattr(module, "to_host", lambda tree: pulls.append(1) or real(tree))
     model, params = make_model()
     trainer = Trainer(Deployer(jax_seed=0, n_model_shards=2, verbose=False), collate_fn,
                       model.apply, loss_fn, params, optax.sgd(0.1))

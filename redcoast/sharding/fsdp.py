@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from .annotations import REASON as ANNOTATION
 from .grouped_axes import parse as parse_grouped
 from .rules import _as_tuple
 
@@ -36,7 +37,7 @@ def ungrouped_storage(placements, n_model_shards):
         spec = tuple(pl.spec)
         grouped = [d for d, axes in enumerate(spec)
                    if isinstance(axes, str) and parse_grouped(axes)[1] and parse_grouped(axes)[0] == MP]
-        if pl.reason != "user rule" and n_model_shards > 1 and len(grouped) == 1 and pl.shape[grouped[0]] % n_model_shards == 0:
+        if pl.reason != "user rule" and not pl.reason.startswith(ANNOTATION) and n_model_shards > 1 and len(grouped) == 1 and pl.shape[grouped[0]] % n_model_shards == 0:
             d = grouped[0]
             why = f"; stored split over all {n_model_shards} model shards, gathered to {spec[d]} where used"
             pl = dataclasses.replace(pl, spec=spec[:d] + (MP,) + spec[d + 1:], reason=pl.reason + why)
@@ -58,8 +59,8 @@ def fsdp_placements(placements, n_data_shards, min_bytes=MIN_BYTES, n_model_shar
 
 def _add_dp(pl, n, n_model, min_bytes):
     spec = list(pl.spec) + [None] * (len(pl.shape) - len(pl.spec))
-    if any(DP in _as_tuple(axes) for axes in spec):
-        return pl
+    if any(DP in _as_tuple(axes) for axes in spec) or pl.reason.startswith(ANNOTATION):
+        return pl  # as the user wrote it
     nbytes = int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
     if nbytes < min_bytes:
         why = f"; replicated over dp ({nbytes:,} bytes < {min_bytes:,})"

@@ -5,13 +5,15 @@ import warnings
 import jax
 from jax.sharding import PartitionSpec as P
 
+from ..errors import ConfigError
+from .annotations import annotations, warn_unresolved
 from .auto import auto_placements
 from .fsdp import fsdp_placements, ungrouped_storage
 from .grouped_axes import entries as spec_entries
 from .grouped_axes import named_sharding
 from .grouped_axes import parse as parse_grouped
 from .opt_state import opt_state_specs
-from .paths import path_to_tuple
+from .paths import path_to_str, path_to_tuple
 from .permuted import split_permutations
 from .rules import (Placement, check_rules_format, check_spec_fits, expand_subtree_rules,
                     first_matching_rule,
@@ -31,6 +33,10 @@ class ShardingPlan:
         self.axis_sizes = dict(mesh.shape)
         n_model_shards = self.axis_sizes.get("mp", 1)
         placements = base_placements or auto_placements(params, n_model_shards)
+        annotated = annotations(params)  # the model's own sharding annotations, if any
+        if annotated:
+            warn_unresolved(annotated)
+            placements = [self._apply_annotation(pl, annotated.get(pl.path)) for pl in placements]
         user_rules = expand_subtree_rules(user_rules, params)
         if user_rules:
             check_rules_format(user_rules)
@@ -47,6 +53,19 @@ class ShardingPlan:
         by_path = {pl.path: pl.spec for pl in placements}
         self.param_specs = jax.tree_util.tree_map_with_path(
             lambda kp, _: by_path[path_to_tuple(kp)], params)
+
+    def _apply_annotation(self, placement, annotation):
+        if annotation is None or annotation.spec is None:
+            return placement
+        entries = [a for axes in annotation.spec for a in ((axes,) if isinstance(axes, str) else axes or ())]
+        if len(entries) != len(set(entries)):
+            raise ConfigError(
+                f"The sharding annotation {annotation.names} of '{path_to_str(placement.path)}' "
+                f"({annotation.source}) puts one mesh axis on two dimensions ({annotation.spec} in "
+                "redcoast's axes). Fix: name each mesh axis on one dimension at most.")
+        check_spec_fits(annotation.spec, placement.shape, self.axis_sizes, placement.path)
+        return Placement(placement.path, placement.shape, placement.dtype, annotation.spec,
+                         annotation.reason)
 
     def _apply_user_rule(self, placement, user_rules):
         spec = first_matching_rule(user_rules, placement.path)
