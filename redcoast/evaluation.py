@@ -98,6 +98,13 @@ class EvalRun:
             self.state, jax.device_put(rest, self.layout.replicated), self.key)
 
 
+def first_eval_batch(examples: Sequence, collate_fn: Callable, per_device_batch_size: int, mesh):
+    """The first evaluation batch on ``mesh`` (padded as the evaluation pads it)."""
+    n = per_device_batch_size * mesh.shape["dp"]
+    indices = np.minimum(np.arange(n), len(examples) - 1)
+    return BatchMaker(mesh, collate_fn, n).make(examples, indices)
+
+
 def check_eval_loss(loss_fn: Callable | None, collate_fn: Callable, compute_dtype: Any, state: Any,
                     key: Any, eval_examples: Sequence) -> None:
     """Trace (not run) ``loss_fn`` with ``is_training=False`` on one eval example, as the

@@ -100,6 +100,18 @@ def with_params(layout, state: TrainState, params, reset_opt_state: bool, abstra
     return state
 
 
+def with_opt_state(layout, state: TrainState, opt_state) -> TrainState:
+    """``state`` with ``opt_state`` (of its optimizer; copied, never donated) placed as the
+    layout places it."""
+    try:
+        placed_state = jax.device_put(opt_state, layout.state_shardings.opt_state)
+    except ValueError as e:
+        raise ConfigError(f"opt_state does not match the optimizer's state for these parameters "
+                          f"({e}). Fix: pass the state of this optimizer, or opt_state=None to "
+                          "initialise it.") from e
+    return state.replace(opt_state=copy_tree(placed_state))
+
+
 def _check_can_be_concrete(layout, state, platform):
     here = set(jax.devices())
     if not all(d in here for d in layout.mesh.devices.flat):

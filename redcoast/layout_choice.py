@@ -51,6 +51,16 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
     return layout
 
 
+def batches_like(example_batch, accumulate_grad_batches: int, n_data_shards: int) -> Callable:
+    """``batch_for(mesh)``: an abstract micro-batch shaped like ``example_batch`` (a global
+    batch for ``n_data_shards``, with the micro-batch axis first when accumulating) with the same
+    rows per data shard on ``mesh`` ('auto' trying other numbers of shards)."""
+    micro = jax.tree_util.tree_map(lambda x: x[0] if accumulate_grad_batches > 1 else x,
+                                   example_batch)
+    return lambda mesh: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+        (x.shape[0] * mesh.shape["dp"] // n_data_shards, *x.shape[1:]), x.dtype), micro)
+
+
 def moved_to(layout, old, state, abstract: bool, keys: tuple) -> tuple:
     """``(state, keys)`` moved from layout ``old`` to ``layout`` (the state donated: a model may
     fill the devices); between layouts the state is in the user's layout. On shapes alike."""

@@ -42,6 +42,11 @@ class Progress:
         """At the start of the next epoch (this one finished)."""
         return self.replace(epoch=self.epoch + 1, position=0, examples=0)
 
+    def keys_from(self, other: Progress) -> Progress:
+        """This progress with ``other``'s keys where it has none."""
+        return self.replace(train_key=other.train_key if self.train_key is None else self.train_key,
+                            eval_key=other.eval_key if self.eval_key is None else self.eval_key)
+
     def with_best(self, tag: str, value: float) -> Progress:
         return self.replace(best={**self.best, tag: value})
 

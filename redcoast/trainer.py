@@ -15,16 +15,16 @@ from .abstract import placed
 from .actions import fit_actions
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
 from .errors import ConfigError, NonFiniteLossError
-from .evaluation import EvalRun, check_eval_loss
+from .evaluation import EvalRun, check_eval_loss, first_eval_batch
 from .export import save_params
 from .fingerprint import check_fingerprint, fingerprint
 from .fit_run import Evaluation, FitRun, Schedule, epochs_of
-from .initial_state import initial_state, with_params
+from .initial_state import initial_state, with_opt_state, with_params
 from .host import to_host
 from .launch import heartbeat
 from .layout import Candidate, Recipe, build_layout, lower_train_step
 from .layout_check import check_or_raise, first_rows
-from .layout_choice import choose_run_layout, moved_to
+from .layout_choice import batches_like, choose_run_layout, moved_to
 from .predictor import Predictor
 from .progress import Progress, checkpoint_meta, examples_trained, saved_part
 from .step_meter import LogWindow, StepMeter
@@ -114,9 +114,7 @@ class Trainer:
     def set_progress(self, progress: Progress) -> None:
         """Continue the run from ``progress`` (as a checkpoint's): the step counter of the state
         follows ``progress.step``; keys left None in it keep the current ones."""
-        keys = {k: getattr(self._progress, k) for k in ("train_key", "eval_key")
-                if getattr(progress, k) is None}
-        progress = progress.replace(**keys)
+        progress = progress.keys_from(self._progress)
         if progress.step != self._progress.step and not self.is_abstract:
             self._state = self._state.replace(step=jax.device_put(
                 jnp.asarray(progress.step, jnp.int32), self.layout.replicated))
@@ -136,13 +134,7 @@ class Trainer:
                         self._state.frozen_params,
                         Candidate(self.deployer.n_model_shards, self.fsdp, self.fuse_matmuls))
         if opt_state is not None:
-            try:
-                opt_state = jax.device_put(opt_state, self.layout.state_shardings.opt_state)
-            except ValueError as e:
-                raise ConfigError(f"opt_state does not match the optimizer's state for these "
-                                  f"parameters ({e}). Fix: pass the state of this optimizer, or "
-                                  "opt_state=None to initialise it.") from e
-            self._state = self._state.replace(opt_state=jax.tree_util.tree_map(jnp.copy, opt_state))
+            self._state = with_opt_state(self.layout, self._state, opt_state)
         if progress is not None:
             self.set_progress(progress)
 
@@ -242,14 +234,8 @@ class Trainer:
         as ``collate_fn`` returns, with the micro-batch axis first when accumulating): read its
         ``memory_analysis()`` or ``cost_analysis()``, or its collectives with
         ``redcoast.comms.collective_report``. Fixes the sharding plan, as the first batch would."""
-        micro = jax.tree_util.tree_map(lambda x: x[0] if self.accumulate_grad_batches > 1 else x,
-                                       _abstract(example_batch))
-        given = self.layout.n_data_shards  # the mesh the batch was made for
-
-        def batch_for(mesh):  # another mesh ('auto' trying shard counts): the same rows per data shard
-            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
-                (x.shape[0] * mesh.shape["dp"] // given, *x.shape[1:]), x.dtype), micro)
-
+        batch_for = batches_like(_abstract(example_batch), self.accumulate_grad_batches,
+                                 self.layout.n_data_shards)
         self._settle_layout(batch_for)
         return lower_train_step(self.layout, self._state, batch_for(self.mesh),
                                 self.accumulate_grad_batches, self._progress.train_key).compile()
@@ -268,23 +254,15 @@ class Trainer:
     def train(self, examples, per_device_batch_size, desc=None, shuffle=True, epoch=0,
               log_every_n_steps=10, start_position=0, after_step=None, start_example=None,
               check_layout=False, start_fingerprint=None):
-        """One pass over ``examples`` from update ``start_position`` of the epoch on: a sequence
-        is shuffled from the seed and ``epoch``; any other iterable (a generator, a
-        ``datasets.IterableDataset``, a :class:`~redcoast.data.Stream`) is read in order until it
-        ends (an :class:`~redcoast.data.EpochData` is taken as it is). ``start_example``: how many
-        examples of the epoch (in its order) were trained before (default ``start_position``
-        updates' worth at this batch size; an interrupted run may have trained them in updates of
-        another size): training goes on at the next one, a stream's first ones skipped without
-        collating. The last incomplete update is not trained on.
-
-        ``after_step(position)`` runs after each update (``position`` updates of this epoch
-        done, counting from ``start_position``); if it returns True the epoch stops there.
-        Returns the position reached; ``trainer.progress`` says where the run stands.
-        ``check_layout=True``: the layout is checked against one device on the first batch
-        before the first update this trainer runs (:meth:`check_layout`).
-        ``start_fingerprint``: a stream's skipped examples must have it (a checkpoint's
-        ``stream_fingerprint``), else a :class:`DataError`.
-        """
+        """One pass over ``examples`` (a sequence, shuffled from the seed and ``epoch``; any other
+        iterable read in order until it ends; an :class:`~redcoast.data.EpochData` as it is),
+        from update ``start_position`` of the epoch and its example ``start_example`` (default:
+        ``start_position`` updates of this size; a stream's first ones skipped uncollated, and
+        they must have ``start_fingerprint`` where given). The last incomplete update is not
+        trained on. ``after_step(position)`` runs after each update; True stops the epoch.
+        ``check_layout=True``: the layout is checked against one device first
+        (:meth:`check_layout`). Returns the position reached (``trainer.progress``: where the
+        run stands)."""
         validate.positive_int("log_every_n_steps", log_every_n_steps)
         self._require_concrete("train")
         source = (examples if isinstance(examples, EpochData) else
@@ -383,17 +361,13 @@ class Trainer:
         every ``save_every_n_steps`` updates, every ``save_every_k_epochs`` epochs, at the end
         (``save_last_ckpt``) and on SIGTERM/SIGINT; ``best_min_<name>/`` and ``best_max_<name>/``
         keep the best by an eval result ('loss' or a key of ``eval_metric_fn``'s dict). With
-        ``resume`` (default) a run whose workdir holds a checkpoint continues from it, mid-epoch,
-        exactly as if it had never stopped (a stream is started afresh and the examples already
-        trained on skipped); resumed with another batch size, the epoch goes on at its first
-        example not trained yet. Without a checkpoint, the run starts at the beginning of epoch
-        ``trainer.progress.epoch`` (0, or after redco's ``last_ckpt_info``; after an earlier
-        ``fit``, where it ended).
-        A checkpoint is written before the evaluation that follows it; an evaluation that fails
-        raises :class:`~redcoast.errors.EvaluationError`, which says where that checkpoint is.
-        ``check_layout=True``: before the first update, the layout is checked against one
-        device on the first batch (see :meth:`check_layout`). The loop itself, and the actions
-        it runs between steps, are in redcoast/fit_run.py and redcoast/actions.py.
+        ``resume`` (default) a run whose workdir holds a checkpoint continues from it exactly
+        (a stream started afresh, what was trained skipped; with another batch size, at the first
+        example not trained yet); without one, from the start of ``trainer.progress.epoch``.
+        A checkpoint is written before the evaluation that follows it; a failing evaluation
+        raises :class:`~redcoast.errors.EvaluationError` naming that checkpoint.
+        ``check_layout=True``: the layout is checked against one device first (:meth:`check_layout`).
+        The loop and its between-step actions are in fit_run.py and actions.py.
         """
         self._require_concrete("fit")
         validate.fit_args(per_device_batch_size, n_epochs, eval_examples,
@@ -433,12 +407,8 @@ class Trainer:
         ``loss_fn`` applied to one example at a time, or to whole batches (``eval_by``)."""
         self._require_concrete("evaluate")
 
-        def first_batch(mesh):
-            n = per_device_batch_size * mesh.shape["dp"]
-            indices = np.minimum(np.arange(n), len(examples) - 1)  # the first batch, padded
-            return BatchMaker(mesh, self.collate_fn, n).make(examples, indices)
-
-        self._settle_layout(first_batch)
+        self._settle_layout(lambda mesh: first_eval_batch(examples, self.collate_fn,
+                                                          per_device_batch_size, mesh))
         run = EvalRun(self.layout, self._state, self._progress.eval_key, self.collate_fn,
                       examples, self.global_batch_size(per_device_batch_size),
                       self.deployer.log_info)
@@ -513,6 +483,6 @@ class Trainer:
 
 
 def _abstract(tree):
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(getattr(x, "shape", None) or np.shape(x), x.dtype), tree)
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
