@@ -173,3 +173,48 @@ def test_a_folder_without_generation_config_gives_an_empty_one(tmp_path):
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="generation_config.json cannot be read"):
         read_generation_config(tmp_path)
+
+
+@needs_torch
+def test_search_options_default_to_the_folders_generation_config_as_in_transformers(tiny, tmp_path):
+    import torch
+    import transformers
+
+    from redcoast.models import from_pretrained
+
+    reference, _, _ = tiny
+    folder = tmp_path / "with_search_defaults"
+    reference.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": EOS, "pad_token_id": PAD, "repetition_penalty": 1.3,
+         "no_repeat_ngram_size": 3}))
+    model, params = from_pretrained(folder)
+    got = np.asarray(generate(model, params, EQUAL, max_new_tokens=N))  # no option given
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()  # reads the same file
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(EQUAL, dtype=torch.long),
+                          attention_mask=torch.ones(EQUAL.shape, dtype=torch.long),
+                          max_new_tokens=N)
+    new = out[:, EQUAL.shape[1]:].numpy()
+    np.testing.assert_array_equal(got, np.pad(new, ((0, 0), (0, N - new.shape[1])),
+                                              constant_values=PAD))
+    # the file changed the tokens, and a call's own values win over it
+    plain = ours(model, params, EQUAL, repetition_penalty=1.0, no_repeat_ngram_size=0)
+    assert not np.array_equal(got, plain)
+    np.testing.assert_array_equal(plain, ours(tiny[1], tiny[2], EQUAL))
+
+
+def test_sampling_asked_for_by_the_file_alone_needs_a_key_and_top_k_is_50_by_default(tiny):
+    import jax
+
+    _, model, params = tiny
+    sampling = Model(model.module_cls, model.config)
+    sampling.generation_config = {"do_sample": True, "temperature": 0.7}
+    with pytest.raises(ConfigError, match=r"generation_config.json asks for sampling.*Fix: pass rng="):
+        generate(sampling, params, EQUAL, max_new_tokens=N)
+    key = jax.random.key(3)
+    drawn = np.asarray(generate(sampling, params, EQUAL, max_new_tokens=N, rng=key))
+    np.testing.assert_array_equal(drawn, generate(model, params, EQUAL, max_new_tokens=N, rng=key,
+                                                  do_sample=True, temperature=0.7, top_k=50))
+    assert not np.array_equal(drawn, generate(model, params, EQUAL, max_new_tokens=N, rng=key,
+                                              do_sample=True, temperature=0.7, top_k=0))

@@ -106,6 +106,35 @@ def _token_ids(value, name):
         raise ConfigError(f"{name}={value!r}; give a token id or a list of token ids.") from None
 
 
+# transformers' defaults for what generation_config.json may set (GenerationConfig's
+# _get_default_generation_params; redco's Flax generate had the same): a call's own value wins,
+# then the model's generation_config.json, then these.
+SEARCH_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                   "num_beams": 1, "length_penalty": 1.0, "early_stopping": False,
+                   "repetition_penalty": 1.0, "min_new_tokens": 0, "no_repeat_ngram_size": 0,
+                   "forced_bos_token_id": None, "forced_eos_token_id": None}
+
+
+def search_options(model, given, rng):
+    """``given`` (a call's search options, None where not passed) completed from the model's
+    generation_config.json, then :data:`SEARCH_DEFAULTS`, as transformers' ``generate`` does.
+    Sampling asked for by the file alone needs ``rng``: without one, an error says so."""
+    from_file = getattr(model, "generation_config", None) or {}
+    options = {}
+    for name, default in SEARCH_DEFAULTS.items():
+        value = given.get(name)
+        if value is None:
+            value = from_file.get(name)
+        options[name] = default if value is None else value
+    if options["do_sample"] and given.get("do_sample") is None and rng is None:
+        raise ConfigError(
+            "the model's generation_config.json asks for sampling (do_sample=True, temperature "
+            f"{options['temperature']}, top_k {options['top_k']}, top_p {options['top_p']}), as "
+            "transformers' generate would do. Fix: pass rng=jax.random.key(seed) to sample so, or "
+            "do_sample=False for greedy decoding.")
+    return options
+
+
 def model_defaults(model, eos_token_id, pad_token_id):
     """``(eos, pad)`` as transformers chooses them: given, else the model's generation config or
     config (``generation_config.json``, a GGUF file's tokenizer metadata); pad falls back to the
@@ -320,10 +349,10 @@ def _jitted(model, cfg):
     return jax.jit(functools.partial(_generate, model, cfg))
 
 
-def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, do_sample=False,
-             temperature=1.0, top_k=0, top_p=1.0, num_beams=1, length_penalty=1.0,
-             early_stopping=False, eos_token_id=None, pad_token_id=None, repetition_penalty=1.0,
-             min_new_tokens=0, no_repeat_ngram_size=0, forced_bos_token_id=None,
+def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, do_sample=None,
+             temperature=None, top_k=None, top_p=None, num_beams=None, length_penalty=None,
+             early_stopping=None, eos_token_id=None, pad_token_id=None, repetition_penalty=None,
+             min_new_tokens=None, no_repeat_ngram_size=None, forced_bos_token_id=None,
              forced_eos_token_id=None, stop_sequences=(), stop_strings=(), tokenizer=None,
              rng=None):
     """New tokens for a batch of LEFT-padded prompts: int32 [B, max_new_tokens], each row padded
@@ -335,7 +364,12 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     (``generation_config.json``, then config.json or the GGUF file's tokenizer metadata; pad
     falls back to the first EOS); ``eos_token_id=()`` generates without stopping.
 
-    - greedy (default); ``do_sample=True`` samples with ``temperature``, ``top_k`` (0 = off)
+    The search options left out (None) are taken, as transformers' ``generate`` takes them, from
+    the model's ``generation_config.json`` where it sets them, else from transformers' defaults
+    (:data:`SEARCH_DEFAULTS`: greedy, ``top_k`` 50 when sampling); sampling asked for by the file
+    alone needs ``rng``.
+
+    - greedy (default); ``do_sample=True`` samples with ``temperature``, ``top_k`` (50; 0 = off)
       and ``top_p`` (1 = off), one random stream per row drawn from ``rng``;
     - ``num_beams > 1``: beam search scored as transformers does (sum of log-probabilities /
       new length ** ``length_penalty``; ``early_stopping`` True, False or "never"); with
@@ -354,13 +388,14 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     ``left_pad(..., length=L)`` avoid recompiling).
     """
     eos, pad = model_defaults(model, eos_token_id, pad_token_id)
-    cfg = SearchConfig.make(
-        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-        top_p=top_p, num_beams=num_beams, length_penalty=length_penalty,
-        early_stopping=early_stopping, eos_token_id=eos, pad_token_id=pad,
+    options = search_options(model, dict(
+        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
         repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
         no_repeat_ngram_size=no_repeat_ngram_size, forced_bos_token_id=forced_bos_token_id,
-        forced_eos_token_id=forced_eos_token_id, stop_sequences=stop_sequences)
+        forced_eos_token_id=forced_eos_token_id), rng)
+    cfg = SearchConfig.make(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                            stop_sequences=stop_sequences, **options)
     if isinstance(stop_strings, str):
         stop_strings = (stop_strings,)
     if stop_strings and tokenizer is None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from .generate import SearchConfig, decode, last_logits, model_defaults
+from .generate import SearchConfig, decode, last_logits, model_defaults, search_options
 
 
 def seq2seq_step(model):
@@ -59,11 +59,11 @@ def _jitted(model, cfg, start_id):
     return jax.jit(functools.partial(_generate, model, cfg, start_id))
 
 
-def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, do_sample=False,
-             temperature=1.0, top_k=0, top_p=1.0, num_beams=1, length_penalty=1.0,
-             early_stopping=False, eos_token_id=None, pad_token_id=None,
-             decoder_start_token_id=None, repetition_penalty=1.0, min_new_tokens=0,
-             no_repeat_ngram_size=0, forced_bos_token_id=None, forced_eos_token_id=None,
+def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, do_sample=None,
+             temperature=None, top_k=None, top_p=None, num_beams=None, length_penalty=None,
+             early_stopping=None, eos_token_id=None, pad_token_id=None,
+             decoder_start_token_id=None, repetition_penalty=None, min_new_tokens=None,
+             no_repeat_ngram_size=None, forced_bos_token_id=None, forced_eos_token_id=None,
              stop_sequences=(), rng=None):
     """Decoder tokens for a batch of inputs: int32 [B, max_new_tokens] (the start token not
     included), each row padded with ``pad_token_id`` after its first EOS.
@@ -77,13 +77,14 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     """
     config = model.config
     eos, pad = model_defaults(model, eos_token_id, pad_token_id)
-    cfg = SearchConfig.make(
-        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-        top_p=top_p, num_beams=num_beams, length_penalty=length_penalty,
-        early_stopping=early_stopping, eos_token_id=eos, pad_token_id=pad,
+    options = search_options(model, dict(
+        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
         repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
         no_repeat_ngram_size=no_repeat_ngram_size, forced_bos_token_id=forced_bos_token_id,
-        forced_eos_token_id=forced_eos_token_id, stop_sequences=stop_sequences)
+        forced_eos_token_id=forced_eos_token_id), rng)
+    cfg = SearchConfig.make(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                            stop_sequences=stop_sequences, **options)
     start_id = config.decoder_start_token_id if decoder_start_token_id is None else (
         decoder_start_token_id)
     if cfg.do_sample and rng is None:

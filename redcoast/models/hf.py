@@ -14,11 +14,9 @@ import os
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
-from ..host import to_host
 from ..tensor_files import entry, write_safetensors
 
 SINGLE_FILE = "model.safetensors"
