@@ -71,7 +71,8 @@ def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path, accumulate):
     model, params = make_model()
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(tmp_path), verbose=False)
     trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.sgd(0.1),
-                      log_grad_norm=True, accumulate_grad_batches=accumulate)
+                      log_grad_norm=True, accumulate_grad_batches=accumulate,
+                      fsdp=False, fuse_matmuls=False)  # what is logged is the subject, not the layout
     per_update = 32 * accumulate  # 8 per data shard x 4 data shards, per micro-batch
     examples = make_examples(per_update * 4)  # 4 updates
     trainer.fit(examples, per_device_batch_size=8, n_epochs=1, shuffle=False,
