@@ -133,13 +133,11 @@ class EpochData:
 
     def __init__(self, examples, seed: int, epoch: int, shuffle: bool = True):
         self.length: int | None = None
-        self._size = 0  # of a sequence
         self.stream: Stream | None = None
         self.examples: Any = None  # a sequence's
         self.order = np.arange(0)  # a sequence's
         if is_sequence(examples):
             self.examples, self.length = examples, len(examples)
-            self._size = len(examples)
             self.order = epoch_order(len(examples), seed, epoch, shuffle)
         else:
             self.stream = examples if isinstance(examples, Stream) else Stream(examples)
@@ -173,24 +171,15 @@ class EpochData:
                 f"{mesh.shape['dp']} data shards). Fix: use a smaller batch size.")
         return BatchMaker(mesh, collate_fn, global_batch).make(examples, indices)
 
-    def skip(self, n):
-        """Pass over the next ``n`` examples (a resume's fast-forward, nothing collated);
-        returns how many there were."""
-        if self.stream is not None:
-            return self.stream.skip(n)
-        skipped = min(n, self._size - self._start)
-        self._start += skipped
-        return skipped
-
     def skip_trained(self, n, per_update, epoch, fingerprint=None):
         """Pass over the ``n`` examples of epoch ``epoch`` trained before a checkpoint (a stream's
         must have ``fingerprint`` where given); the updates of ``per_update`` left (None for a
         stream). Examples that are not those the checkpoint's run trained are a DataError."""
         if self.stream is None:
-            left = updates_after(self._size, n, per_update, epoch)
-            self.skip(n)
+            left = updates_after(len(self.order), n, per_update, epoch)
+            self._start = n
             return left
-        skipped = self.skip(n)
+        skipped = self.stream.skip(n)
         if skipped == n and fingerprint is not None and self.fingerprint(n) != fingerprint:
             raise DataError(
                 f"train_examples gives other examples than the interrupted run read: the first "
@@ -221,7 +210,7 @@ class EpochData:
                 yield group, rows
             self.leftover = self.stream.leftover
             return
-        n_updates, self.leftover = divmod(self._size - self._start, per_update)
+        n_updates, self.leftover = divmod(len(self.order) - self._start, per_update)
         for start in self._start + per_update * np.arange(n_updates):
             yield self.examples, self.order[start:start + per_update]
 
@@ -289,7 +278,8 @@ def examples_by_epoch(train_examples):
     if is_sequence(train_examples):
         return lambda epoch: train_examples
     if is_iterator(train_examples):
-        stream, first = Stream(train_examples), list[int]()
+        stream = Stream(train_examples)
+        first: list[int] = []
 
         def once(epoch):
             if not first:

@@ -168,7 +168,9 @@ class FitRun:
         self.workdir = self.deployer.workdir
         self.store: CheckpointStore | None = None
         self._lock: WorkdirLock | None = None
-        self.saved: list = []  # (step, epoch, position, directory) of the newest checkpoint on disk
+        # (step, epoch, position, directory) of the newest checkpoint on disk, if any
+        self.saved: tuple | None = None
+        self.resumed = False  # from a checkpoint of the store
         self._evaluated: dict = {}  # step -> eval results (one evaluation per step)
         self.source: EpochData | None = None  # the epoch under way
         self.epoch_updates: int | None = None  # its updates (None for a stream: unknown)
@@ -224,10 +226,10 @@ class FitRun:
         meta = trainer.restore_checkpoint(self.store, per_update=per_update)
         if meta is None:
             return
-        self.resumed_fingerprint = meta.get("stream_fingerprint")
+        self.resumed, self.resumed_fingerprint = True, meta.get("stream_fingerprint")
         progress = trainer.progress
         trainer.set_progress(progress.replace(best={**progress.best, **self._best_on_disk()}))
-        self.saved[:] = [(progress.step, progress.epoch, progress.position, self.store.directory)]
+        self.saved = (progress.step, progress.epoch, progress.position, self.store.directory)
         _warn_if_config_changed(self.deployer, meta.get("config", {}), self.config)
         into = f"{progress.position} update{'' if progress.position == 1 else 's'} into it"
         if progress.examples:
@@ -276,7 +278,7 @@ class FitRun:
         self.trainer.save_checkpoint(self.store, progress.epoch, progress.position, self.config,
                                      examples_consumed=progress.examples,
                                      stream_fingerprint=self._fingerprint(progress.examples))
-        self.saved[:] = [(progress.step, progress.epoch, progress.position, self.store.directory)]
+        self.saved = (progress.step, progress.epoch, progress.position, self.store.directory)
 
     def _fingerprint(self, n):
         return None if self.source is None else self.source.fingerprint(n)
@@ -339,11 +341,11 @@ class FitRun:
                    "pass save_every_k_epochs=1 (or save_every_n_steps=...) to fit")
             return (f"no checkpoint was saved, so a rerun starts afresh. Fix: correct it, and "
                     f"{how} to keep the training done before an evaluation.")
-        if not self.saved:
+        if self.saved is None:
             return ("no checkpoint has been saved in this run, so a rerun starts afresh (fit "
                     "saves every save_every_k_epochs epochs and every save_every_n_steps updates, "
                     "before evaluating). Fix: correct it and run again.")
-        step, epoch, position, directory = self.saved[0]
+        step, epoch, position, directory = self.saved
         if step == step_now:
             what = f"epoch {epoch}" if position == 0 else f"step {step}"
             return (f"{what} is saved at {directory}/{step} and a rerun resumes from there. "
@@ -358,7 +360,7 @@ class FitRun:
         """Train from where the trainer stands to the end of the schedule, running the actions
         between steps and at each epoch's end; stop-and-save on SIGTERM/SIGINT."""
         trainer, schedule = self.trainer, self.schedule
-        if not self.saved:  # no checkpoint resumed: from the start of the trainer's epoch
+        if not self.resumed:  # from the start of the trainer's epoch
             trainer.set_progress(trainer.progress.replace(position=0, examples=0))
         start = trainer.progress
         with self.guard:

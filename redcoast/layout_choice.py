@@ -87,4 +87,4 @@ def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> 
            "accumulate": recipe.accumulate_grad_batches,
            "budget": deployer.device_memory_budget(),
            "own_train_step": recipe.train_step_fn is not None}
-    return LayoutMemory.in_workdir(workdir, key)
+    return LayoutMemory.in_workdir(workdir, key, deployer.devices)

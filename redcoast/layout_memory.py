@@ -23,14 +23,15 @@ FILE = "layout.json"
 @dataclasses.dataclass(frozen=True)
 class LayoutMemory:
     """Where a run's choice is kept (``path``) and what, besides the parameters and the first
-    batch, it was chosen for (``options``: any JSON-able value, e.g. the fsdp / fusion choices,
-    the shard counts, the compute dtype, the memory budget)."""
+    batch, it was chosen for: the run's ``devices`` and ``options`` (any JSON-able value, e.g.
+    the fsdp / fusion choices, the shard counts, the compute dtype, the memory budget)."""
     path: str
     options: dict
+    devices: tuple
 
     @classmethod
-    def in_workdir(cls, workdir, options):
-        return cls(os.path.join(workdir, FILE), options)
+    def in_workdir(cls, workdir, options, devices):
+        return cls(os.path.join(workdir, FILE), options, tuple(devices))
 
     def key(self, params, batch):
         """A digest of what the choice depends on: the parameters' and the first batch's paths,
@@ -39,10 +40,9 @@ class LayoutMemory:
         def shapes(tree):
             return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(np.dtype(leaf.dtype)))
                     for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
-        devices = jax.devices()
         record = {"params": shapes(params), "batch": shapes(batch),
-                  "devices": sorted({getattr(d, "device_kind", d.platform) for d in devices}),
-                  "n_devices": len(devices), "n_processes": jax.process_count(),
+                  "devices": sorted({getattr(d, "device_kind", d.platform) for d in self.devices}),
+                  "n_devices": len(self.devices), "n_processes": jax.process_count(),
                   "options": self.options, "jax": jax.__version__}
         return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -53,6 +53,7 @@ EXPECTED = {("up", "kernel", "value"): P(None, "mp"), ("mid", "kernel", "value")
             ("down", "kernel", "value"): P("mp")}
 
 
+@pytest.mark.slow  # 6 s: two Trainers, two epochs each
 def test_an_nnx_model_trains_with_exactly_its_annotated_shardings():
     from flax import nnx
     trainer = Trainer(Deployer(jax_seed=0, n_model_shards=4, verbose=False), collate, None,
@@ -66,8 +67,7 @@ def test_an_nnx_model_trains_with_exactly_its_annotated_shardings():
                   for kp, leaf in jax.tree_util.tree_flatten_with_path(trainer.params)[0])
     for path, spec in EXPECTED.items():  # the arrays themselves, as stored and returned
         assert leaves[path].sharding.spec == spec, (path, leaves[path].sharding)
-    assert "annotation (nnx out_sharding" in trainer.plan.table() or \
-        "annotation (nnx" in trainer.plan.table()
+    assert "annotation (nnx " in trainer.plan.table()  # the key's name depends on Flax's release
     # the same training on one model shard without annotations: the same numbers
     plain = Trainer(Deployer(jax_seed=0, n_model_shards=1, verbose=False), collate, None,
                     nnx_loss, nnx_mlp(partitioning=False), optax.adam(1e-2))
@@ -130,6 +130,6 @@ def test_an_annotation_that_does_not_divide_names_the_parameter_and_the_fix():
         Trainer(Deployer(jax_seed=0, n_model_shards=4, verbose=False), collate, None,
                 lambda *a: 0.0, params, optax.sgd(0.1), fsdp=False)
     model, params = linen_mlp_params(("model", None))  # 4 inputs over 4 shards divide; 8 would not
-    with pytest.raises(ConfigError, match=r"Dense_0/kernel.*does not divide|Dense_0/kernel"):
+    with pytest.raises(ConfigError, match=r"Dense_0/kernel.*into 8 parts, which does not divide"):
         Trainer(Deployer(jax_seed=0, n_model_shards=8, verbose=False), collate, None,
                 lambda *a: 0.0, params, optax.sgd(0.1), fsdp=False)

@@ -204,6 +204,7 @@ def test_search_options_default_to_the_folders_generation_config_as_in_transform
     np.testing.assert_array_equal(plain, ours(tiny[1], tiny[2], EQUAL))
 
 
+@pytest.mark.slow  # 5 s: two sampling searches compiled
 def test_sampling_asked_for_by_the_file_alone_needs_a_key_and_top_k_is_50_by_default(tiny):
     import jax
 
@@ -214,7 +215,8 @@ def test_sampling_asked_for_by_the_file_alone_needs_a_key_and_top_k_is_50_by_def
         generate(sampling, params, EQUAL, max_new_tokens=N)
     key = jax.random.key(3)
     drawn = np.asarray(generate(sampling, params, EQUAL, max_new_tokens=N, rng=key))
-    np.testing.assert_array_equal(drawn, generate(model, params, EQUAL, max_new_tokens=N, rng=key,
+    # the same compiled search, asked for by the call (top_k 50 is the default)
+    np.testing.assert_array_equal(drawn, generate(sampling, params, EQUAL, max_new_tokens=N, rng=key,
                                                   do_sample=True, temperature=0.7, top_k=50))
-    assert not np.array_equal(drawn, generate(model, params, EQUAL, max_new_tokens=N, rng=key,
-                                              do_sample=True, temperature=0.7, top_k=0))
+    assert not np.array_equal(drawn, generate(sampling, params, EQUAL, max_new_tokens=N, rng=key,
+                                              top_k=0))

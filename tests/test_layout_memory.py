@@ -48,7 +48,7 @@ def test_the_next_run_takes_the_remembered_layout_without_comparing(tmp_path, co
     assert json.loads((tmp_path / "layout.json").read_text()) == record
 
 
-def test_the_key_holds_shapes_and_options_and_bad_records_are_ignored(tmp_path):
+def test_the_key_holds_shapes_devices_and_options_and_bad_records_are_ignored(tmp_path):
     import jax
     import numpy as np
 
@@ -57,12 +57,15 @@ def test_the_key_holds_shapes_and_options_and_bad_records_are_ignored(tmp_path):
 
     params = {"w": jax.ShapeDtypeStruct((4, 8), np.float32)}
     batch = {"ids": np.zeros((8, 12), np.int32)}
-    memory = LayoutMemory.in_workdir(str(tmp_path), {"fsdp": [False, True]})
+    memory = LayoutMemory.in_workdir(str(tmp_path), {"fsdp": [False, True]}, jax.devices())
     key = memory.key(params, batch)
     assert key == memory.key(params, {"ids": jax.ShapeDtypeStruct((8, 12), np.int32)})  # abstract
     assert key != memory.key(params, {"ids": np.zeros((16, 12), np.int32)})
     assert key != memory.key({"w": jax.ShapeDtypeStruct((4, 8), jax.numpy.bfloat16)}, batch)
-    assert key != LayoutMemory.in_workdir(str(tmp_path), {"fsdp": [True]}).key(params, batch)
+    assert key != LayoutMemory.in_workdir(str(tmp_path), {"fsdp": [True]},
+                                          jax.devices()).key(params, batch)
+    assert key != LayoutMemory.in_workdir(str(tmp_path), {"fsdp": [False, True]},
+                                          jax.devices()[:4]).key(params, batch)  # another run's devices
     chosen = Candidate(2, True, False)
     memory.remember(params, batch, chosen, "fastest")
     assert memory.recall(params, batch, Candidate) == chosen

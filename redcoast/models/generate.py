@@ -26,34 +26,44 @@ from . import logits_processors as processors
 NEG = -1.0e9  # the score of a hypothesis that must not be chosen (finite, so sums stay finite)
 
 
+# transformers' defaults for what generation_config.json may set (GenerationConfig's
+# _get_default_generation_params; redco's Flax generate had the same): a call's own value wins,
+# then the model's generation_config.json, then these.
+SEARCH_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                   "num_beams": 1, "length_penalty": 1.0, "early_stopping": False,
+                   "repetition_penalty": 1.0, "min_new_tokens": 0, "no_repeat_ngram_size": 0,
+                   "forced_bos_token_id": None, "forced_eos_token_id": None}
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
     """How tokens are chosen; hashable, so each setting is compiled once.
 
-    Build it with :meth:`make`, which checks every value."""
+    Build it with :meth:`make`, which checks every value (defaults: :func:`search_options`)."""
 
     max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: object = False  # True, False or "never", as in transformers
-    eos_token_id: tuple = ()
-    pad_token_id: int = 0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    no_repeat_ngram_size: int = 0
-    forced_bos_token_id: int = None
-    forced_eos_token_id: tuple = ()
-    stop_sequences: tuple = ()      # of token-id tuples
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    num_beams: int
+    length_penalty: float
+    early_stopping: object  # True, False or "never", as in transformers
+    eos_token_id: tuple
+    pad_token_id: int
+    repetition_penalty: float
+    min_new_tokens: int
+    no_repeat_ngram_size: int
+    forced_bos_token_id: int | None
+    forced_eos_token_id: tuple
+    stop_sequences: tuple  # of token-id tuples
 
     @classmethod
-    def make(cls, *, max_new_tokens, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
-             num_beams=1, length_penalty=1.0, early_stopping=False, eos_token_id=None,
-             pad_token_id=0, repetition_penalty=1.0, min_new_tokens=0, no_repeat_ngram_size=0,
-             forced_bos_token_id=None, forced_eos_token_id=None, stop_sequences=()):
+    def make(cls, *, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
+             length_penalty, early_stopping, eos_token_id, pad_token_id, repetition_penalty,
+             min_new_tokens, no_repeat_ngram_size, forced_bos_token_id, forced_eos_token_id,
+             stop_sequences):
+        """Every option given: a call's completed by :func:`search_options`."""
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r}; it must be a positive integer.")
         if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
@@ -104,15 +114,6 @@ def _token_ids(value, name):
         return tuple(int(v) for v in value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r}; give a token id or a list of token ids.") from None
-
-
-# transformers' defaults for what generation_config.json may set (GenerationConfig's
-# _get_default_generation_params; redco's Flax generate had the same): a call's own value wins,
-# then the model's generation_config.json, then these.
-SEARCH_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-                   "num_beams": 1, "length_penalty": 1.0, "early_stopping": False,
-                   "repetition_penalty": 1.0, "min_new_tokens": 0, "no_repeat_ngram_size": 0,
-                   "forced_bos_token_id": None, "forced_eos_token_id": None}
 
 
 def search_options(model, given, rng):
