@@ -6,8 +6,10 @@ Task B1 (benchmarks/defaults_vs_hand.py's Llama: hidden 256, 4 layers, sequence 
 global batch 16) on 8 simulated CPU devices. Each measurement is a fresh Python process (no
 in-process compilation cache carries over); the four programs alternate, in rotated order,
 ``--repeats`` times; medians are printed, and each program's ratio to the hand-written one.
-The first-run program gets a fresh workdir each time, the rerun program one its own first run
-prepared (untimed). Run from the repository root:
+The first-run and fixed-layout programs get a fresh workdir and an empty per-user cache
+(``REDCOAST_CACHE``: the remembered layouts and JAX's compiled programs) each time, the rerun
+program the workdir and cache its own first run prepared (untimed); the hand-written step runs
+without JAX's compilation cache, as a script does by default. Run from the repository root:
 
     python benchmarks/startup.py                 # about 5 minutes on 2 cores
     python benchmarks/startup.py --mesh 2x4 --repeats 5
@@ -97,10 +99,12 @@ def one(program, mesh, workdir, steps):
     print(json.dumps({"to_first_update_s": times[0], "step_s": statistics.median(times[1:])}))
 
 
-def measure(program, mesh, workdir, steps):
+def measure(program, mesh, workdir, steps, cache):
+    env = {**os.environ, "REDCOAST_CACHE": cache}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", program,
                           "--mesh", mesh, "--workdir", workdir, "--steps", str(steps)],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     if out.returncode:
         sys.exit(f"{program} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -119,13 +123,16 @@ def main():
     results = {p: [] for p in PROGRAMS}
     with tempfile.TemporaryDirectory() as scratch:
         remembered = os.path.join(scratch, "remembered")
-        measure("defaults-first-run", args.mesh, remembered, args.steps)  # prepares the rerun's
+        kept = os.path.join(scratch, "remembered-cache")
+        measure("defaults-first-run", args.mesh, remembered, args.steps, kept)  # the rerun's
         for r in range(args.repeats):
             order = PROGRAMS[r % 4:] + PROGRAMS[:r % 4]
             for program in order:
-                workdir = (os.path.join(scratch, f"fresh-{r}") if program == "defaults-first-run"
-                           else remembered)
-                results[program].append(measure(program, args.mesh, workdir, args.steps))
+                fresh = os.path.join(scratch, f"{program}-{r}")
+                workdir, cache = {"defaults-rerun": (remembered, kept),
+                                  "hand-written": (fresh, "off")}.get(
+                                      program, (fresh, fresh + "-cache"))
+                results[program].append(measure(program, args.mesh, workdir, args.steps, cache))
     hand = statistics.median(x["to_first_update_s"] for x in results["hand-written"])
     hand_step = statistics.median(x["step_s"] for x in results["hand-written"])
     print(f"B1 on {args.mesh} (dp x mp), {args.repeats} alternating runs each; medians")

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from . import distributed, validate
+from . import distributed, user_cache, validate
 from .errors import ConfigError
 from .export import save_params
 from .logs import RunLogger
@@ -36,6 +36,8 @@ class Deployer:
                  run_tensorboard=False, wandb_init_kwargs=None, n_processes=None,
                  host0_address=None, host0_port=None, process_id=None, n_local_devices=None,
                  memory_budget_bytes=None, devices=None):
+        # before the first compilation of the run: its steps are then kept between runs
+        self.compilation_cache_dir, cache_note = user_cache.enable_compilation_cache()
         self.cluster = distributed.initialize(
             n_processes=n_processes, host0_address=host0_address, host0_port=host0_port,
             process_id=process_id, n_local_devices=n_local_devices)
@@ -73,6 +75,7 @@ class Deployer:
             f"mesh dp={self.n_data_shards} x mp={self.n_model_shards}"
             + (" (n_model_shards='auto': a Trainer chooses its own at the first batch)"
                if self.n_model_shards_requested == "auto" else ""))
+        self.log_info(cache_note)
 
     def close(self):
         """Flush and close the run's logs (log.txt, metrics.jsonl, TensorBoard, W&B)."""

@@ -293,21 +293,23 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     def shape_of(n):  # data shards with n model shards
         return make_mesh(n).shape["dp"]
 
-    remembered = None
+    remembered = where = None
     if memory is not None:  # the first batch, collated once: tracing takes it from here
         n = min(shard_counts)
         if n not in batches:
             mesh = make_mesh(n)
             batches[n] = mesh, batch_for(mesh)
         first_batch = batches[n][1]
-        remembered = memory.recall(state.params, first_batch, Candidate)
+        remembered, where = memory.recall(state.params, first_batch, Candidate) or (None, None)
     if remembered is not None and remembered in candidates_at(
             remembered.n_model_shards, shape_of(remembered.n_model_shards), fsdp_options,
             fuse_options) and remembered.n_model_shards in shard_counts:
         plan, source, _, mesh = trace(remembered)
+        if memory.path is not None and where != memory.path:  # the workdir keeps its own record
+            memory.remember(state.params, first_batch, remembered, f"remembered from {where}")
         return dataclasses.replace(
             build_layout(recipe, remembered, mesh, plan, state, source),
-            reason=f"remembered from the run that chose it in {memory.path} (the same model, "
+            reason=f"remembered from the run that chose it in {where} (the same model, "
                    "batch, devices and options); delete that file to compare the candidates again")
 
     if len(shard_counts) == 1:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from .abstract import placed, shapes_of
 from .layout import Recipe, choose_layout
+from . import user_cache
 from .layout_memory import LayoutMemory
 from .sharding.dataflow import FALLBACK
 from .workdir import is_url
@@ -31,8 +32,8 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
         deployer.log_info(
             f"choosing the layout compiled {len(layout.considered)} candidate steps in "
             f"{time.perf_counter() - started:.1f} s"
-            + (f"; the choice is remembered in {memory.path} for the next run" if memory else
-               "; a workdir would remember it for the next run")
+            + (f"; the choice is remembered in {' and '.join(memory.places())} for the next run"
+               if memory else "; a workdir would remember it for the next run")
             + f" (fsdp={layout.candidate.fsdp}, fuse_matmuls={layout.candidate.fuse_matmuls} "
             "in the Trainer skip the comparison).")
     if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
@@ -76,10 +77,14 @@ def moved_to(layout, old, state, abstract: bool, keys: tuple) -> tuple:
 
 
 def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> LayoutMemory | None:
-    """Where this run's layout choice is remembered (the workdir's layout.json), with what it
-    depends on besides the parameters and the batch; None without a local workdir."""
+    """Where this run's layout choice is remembered (the workdir's layout.json and the per-user
+    cache, user_cache.py), with what it depends on besides the parameters and the batch; None
+    with neither (no local workdir, the cache off or several processes)."""
     workdir = deployer.workdir
-    if workdir is None or is_url(workdir):  # remote workdirs: chosen each run
+    if workdir is not None and is_url(workdir):  # remote workdirs: not written here
+        workdir = None
+    cache_dir = user_cache.layouts_directory()
+    if workdir is None and cache_dir is None:
         return None
     key = {"shard_counts": list(shard_counts), "fsdp": list(options["fsdp"]),
            "fuse_matmuls": list(options["fuse_matmuls"]),
@@ -87,4 +92,4 @@ def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> 
            "accumulate": recipe.accumulate_grad_batches,
            "budget": deployer.device_memory_budget(),
            "own_train_step": recipe.train_step_fn is not None}
-    return LayoutMemory.in_workdir(workdir, key, deployer.devices)
+    return LayoutMemory.in_workdir(workdir, key, deployer.devices, cache_dir)

@@ -1,11 +1,13 @@
-"""The layout a run chose, remembered in its workdir so that the next run (a rerun, a resume)
-starts without compiling the other candidates.
+"""The layout a run chose, remembered in its workdir (and in the per-user cache, user_cache.py)
+so that the next run (a rerun, a resume, the same script in a new workdir) starts without
+compiling the other candidates.
 
 Choosing compiles every candidate training step at the first batch (up to four, minutes each on a
 real model); the choice depends only on what the key below holds, so a run whose key matches the
-workdir's ``layout.json`` takes the remembered candidate and compiles it alone. The layout is a
-matter of speed and memory, never of the numbers: any candidate trains the same model. Delete
-the file (or change what the key holds) to compare the candidates again.
+workdir's ``layout.json``, or a file of that key in the per-user cache, takes the remembered
+candidate and compiles it alone. The layout is a matter of speed and memory, never of the
+numbers: any candidate trains the same model. Delete the file (or change what the key holds) to
+compare the candidates again.
 """
 
 import dataclasses
@@ -22,16 +24,28 @@ FILE = "layout.json"
 
 @dataclasses.dataclass(frozen=True)
 class LayoutMemory:
-    """Where a run's choice is kept (``path``) and what, besides the parameters and the first
-    batch, it was chosen for: the run's ``devices`` and ``options`` (any JSON-able value, e.g.
-    the fsdp / fusion choices, the shard counts, the compute dtype, the memory budget)."""
-    path: str
+    """Where a run's choice is kept (``path``: the workdir's file, or None; ``cache_dir``: the
+    per-user cache's directory, one file per key, or None) and what, besides the parameters and
+    the first batch, it was chosen for: the run's ``devices`` and ``options`` (any JSON-able
+    value, e.g. the fsdp / fusion choices, the shard counts, the compute dtype, the budget)."""
+    path: str | None
     options: dict
     devices: tuple
+    cache_dir: str | None = None
 
     @classmethod
-    def in_workdir(cls, workdir, options, devices):
-        return cls(os.path.join(workdir, FILE), options, tuple(devices))
+    def in_workdir(cls, workdir, options, devices, cache_dir=None):
+        path = None if workdir is None else os.path.join(workdir, FILE)
+        return cls(path, options, tuple(devices), cache_dir)
+
+    def places(self):
+        """Where choices are written, for the log."""
+        return [p for p in (self.path, self.cache_dir) if p is not None]
+
+    def _files(self, key):
+        """The files that may hold this key's choice, the workdir's first."""
+        cached = None if self.cache_dir is None else os.path.join(self.cache_dir, f"{key}.json")
+        return [f for f in (self.path, cached) if f is not None]
 
     def key(self, params, batch):
         """A digest of what the choice depends on: the parameters' and the first batch's paths,
@@ -47,26 +61,40 @@ class LayoutMemory:
         return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
     def recall(self, params, batch, candidate_type):
-        """The candidate remembered for this key (``candidate_type(**fields)``), or None: no
-        file, another key, or a file that cannot be read (then the choice is made again)."""
-        try:
-            with open(self.path) as f:
-                record = json.load(f)
-            if record.get("key") != self.key(params, batch):
-                return None
-            return candidate_type(**record["candidate"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        """``(candidate, the file it was read from)`` remembered for this key
+        (``candidate_type(**fields)``), or None: no file, another key, or a file that cannot be
+        read (then the choice is made again)."""
+        key = self.key(params, batch)
+        for path in self._files(key):
+            try:
+                with open(path) as f:
+                    record = json.load(f)
+                if record.get("key") == key:
+                    return candidate_type(**record["candidate"]), path
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return None
 
     def remember(self, params, batch, candidate, reason):
-        """Write ``candidate`` (a dataclass) as the choice for this key (process 0; whole or not
-        at all)."""
+        """Write ``candidate`` (a dataclass) as the choice for this key, in the workdir and the
+        per-user cache (process 0; each file whole or not at all; a cache that cannot be
+        written is skipped: it only saves time)."""
         if jax.process_index() != 0:
             return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        temporary = f"{self.path}.tmp-{os.getpid()}"
-        with open(temporary, "w") as f:
-            json.dump({"key": self.key(params, batch), "candidate": dataclasses.asdict(candidate),
-                       "reason": reason, "chosen_at": time.strftime("%Y-%m-%d %H:%M:%S")},
-                      f, indent=1)
-        os.replace(temporary, self.path)
+        key = self.key(params, batch)
+        record = {"key": key, "candidate": dataclasses.asdict(candidate), "reason": reason,
+                  "chosen_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for path in self._files(key):
+            try:
+                _write_whole(path, record)
+            except OSError:
+                if path == self.path:
+                    raise
+
+
+def _write_whole(path, record):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(temporary, path)

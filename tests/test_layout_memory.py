@@ -68,7 +68,50 @@ def test_the_key_holds_shapes_devices_and_options_and_bad_records_are_ignored(tm
                                           jax.devices()[:4]).key(params, batch)  # another run's devices
     chosen = Candidate(2, True, False)
     memory.remember(params, batch, chosen, "fastest")
-    assert memory.recall(params, batch, Candidate) == chosen
+    assert memory.recall(params, batch, Candidate) == (chosen, str(tmp_path / "layout.json"))
     assert memory.recall(params, {"ids": np.zeros((16, 12), np.int32)}, Candidate) is None
     (tmp_path / "layout.json").write_text("{half a file")
     assert memory.recall(params, batch, Candidate) is None  # chosen again, then rewritten
+
+
+def test_the_per_user_cache_remembers_across_workdirs(tmp_path):
+    import jax
+    import numpy as np
+
+    from redcoast.layout import Candidate
+    from redcoast.layout_memory import LayoutMemory
+
+    params = {"w": jax.ShapeDtypeStruct((4, 8), np.float32)}
+    batch = {"ids": np.zeros((8, 12), np.int32)}
+    options, cache = {"fsdp": [False, True]}, str(tmp_path / "cache")
+    first = LayoutMemory.in_workdir(str(tmp_path / "a"), options, jax.devices(), cache)
+    first.remember(params, batch, Candidate(2, True, True), "fastest")
+    key = first.key(params, batch)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [f"{key}.json"]
+
+    fresh = LayoutMemory.in_workdir(str(tmp_path / "b"), options, jax.devices(), cache)
+    assert fresh.recall(params, batch, Candidate) == (Candidate(2, True, True), f"{cache}/{key}.json")
+    no_workdir = LayoutMemory.in_workdir(None, options, jax.devices(), cache)
+    assert no_workdir.recall(params, batch, Candidate)[0] == Candidate(2, True, True)
+    # the workdir's own record comes first; another key is not taken from the cache
+    (tmp_path / "b").mkdir()
+    fresh.remember(params, batch, Candidate(2, False, True), "mine")
+    assert fresh.recall(params, batch, Candidate)[1] == str(tmp_path / "b" / "layout.json")
+    other = LayoutMemory.in_workdir(None, {"fsdp": [True]}, jax.devices(), cache)
+    assert other.recall(params, batch, Candidate) is None
+
+
+@pytest.mark.slow  # 18 s: two runs of a Trainer
+def test_a_new_workdir_takes_the_choice_from_the_per_user_cache(tmp_path, compilations, monkeypatch):
+    import redcoast.user_cache
+
+    monkeypatch.setattr(redcoast.user_cache, "layouts_directory", lambda: str(tmp_path / "cache"))
+    first = run(tmp_path / "a")
+    compared = len(compilations)
+    assert compared >= 2
+    second = run(tmp_path / "b")
+    assert len(compilations) == compared  # nothing compiled to compare
+    assert second.layout.candidate == first.layout.candidate
+    assert str(tmp_path / "cache") in second.layout.reason
+    record = json.loads((tmp_path / "b" / "layout.json").read_text())  # the workdir keeps its own
+    assert record["candidate"]["fsdp"] == first.layout.candidate.fsdp
