@@ -7,8 +7,13 @@ a temporary directory and renames it when complete, so a crash at any moment lea
 complete checkpoint intact; a damaged one is reported and skipped (and moved aside if a later
 save needs its step number). Arrays are stored as nested dicts keyed by their path strings, so
 any pytree (Flax dicts, optax tuples, ``nnx.Module``s with mixed int/str keys) saves and restores.
-Nothing is pickled. ``directory`` may be a URL Orbax supports (``gs://...``).
+Nothing is pickled. ``directory`` may be a URL Orbax supports (``gs://...``). A store given
+``files`` writes them, as they are, into every checkpoint's ``files/`` folder (the run's YAML,
+for ``redcoast train``): with the checkpoint, in its atomic rename.
 """
+
+import dataclasses
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -23,8 +28,9 @@ class CheckpointStore:
     """The checkpoints of one run kept in ``directory`` (one sub-directory per step)."""
 
     def __init__(self, directory, keep_last_n=None, async_save=True, logger=None,
-                 replace_existing=False):
+                 replace_existing=False, files=None):
         check_keep_last_n(keep_last_n)
+        self.files = dict(files or {})  # {file name: text} written with every checkpoint
         self.directory = absolute(directory)
         self.logger = logger
         # a best-so-far store: the same step saved by an interrupted attempt of this run is replaced
@@ -35,7 +41,8 @@ class CheckpointStore:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+                           "meta": ocp.JsonCheckpointHandler(),
+                           FILES: TextFilesHandler()})
         self._last_saved = None  # the step this store wrote or restored: that state is on disk
         self._damaged = {}  # step -> why it did not restore
 
@@ -66,9 +73,11 @@ class CheckpointStore:
                            f"{step}.")
                 self._manager.reload()
         self._last_saved = step
-        self._manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(to_saved(state_arrays)), meta=ocp.args.JsonSave(meta)),
-            force=True)
+        items = {"state": ocp.args.StandardSave(to_saved(state_arrays)),
+                 "meta": ocp.args.JsonSave(meta)}
+        if self.files:
+            items[FILES] = TextFilesSave(self.files)
+        self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
 
     def wait(self):
         """Block until every started save is complete on disk."""
@@ -141,6 +150,34 @@ class CheckpointStore:
             self.logger.warning(text)
         else:
             print(f"WARNING: {text}")
+
+
+FILES = "files"  # the item (folder) of a checkpoint that holds the store's files
+
+
+class TextFilesHandler(ocp.JsonCheckpointHandler):
+    """Writes ``{name: text}`` as files named ``name`` in the item's folder (on the primary host,
+    as Orbax's JSON handler writes its record), asynchronously with the rest of the checkpoint."""
+
+    async def _save_fn(self, x, directory):
+        if ocp.utils.is_primary_host(self._primary_host):
+            for name, text in x.items():
+                (directory / name).write_text(text)
+
+    def restore(self, directory, item=None, args=None):
+        return {path.name: path.read_text() for path in directory.iterdir()}
+
+
+@ocp.args.register_with_handler(TextFilesHandler, for_save=True)
+@dataclasses.dataclass
+class TextFilesSave(ocp.args.CheckpointArgs):
+    item: Mapping[str, str]
+
+
+@ocp.args.register_with_handler(TextFilesHandler, for_restore=True)  # Orbax wants both
+@dataclasses.dataclass
+class TextFilesRestore(ocp.args.CheckpointArgs):
+    item: None = None
 
 
 def check_keep_last_n(keep_last_n):

@@ -151,9 +151,11 @@ class FitRun:
     releases the lock, whatever happened."""
 
     def __init__(self, trainer, schedule: Schedule, evaluation: Evaluation, actions: list,
-                 keep_best: Sequence[tuple[str, Callable]] = ()):
+                 keep_best: Sequence[tuple[str, Callable]] = (),
+                 files: Mapping[str, str] | None = None):
         self.trainer, self.schedule, self.evaluation = trainer, schedule, evaluation
         self.actions, self.keep_best_by = actions, list(keep_best)
+        self.files = dict(files or {})  # {name: text} kept in every checkpoint (run.yaml)
         self.deployer = trainer.deployer
         layout = trainer.layout
         # what a checkpoint records of the run, for a resume to compare
@@ -204,7 +206,7 @@ class FitRun:
 
     def _new_store(self, directory, keep_last_n_ckpts):
         return CheckpointStore(os.path.join(directory, "steps"), keep_last_n=keep_last_n_ckpts,
-                               logger=self.deployer.logger)
+                               logger=self.deployer.logger, files=self.files)
 
     def close(self) -> None:
         if self.store is not None:
@@ -308,7 +310,7 @@ class FitRun:
             trainer.set_progress(trainer.progress.with_best(tag, value))
             best_store = CheckpointStore(os.path.join(self.workdir, "checkpoints", tag),
                                          keep_last_n=1, logger=self.deployer.logger,
-                                         replace_existing=True)
+                                         replace_existing=True, files=self.files)
             progress = trainer.progress
             trainer.save_checkpoint(best_store, progress.epoch, progress.position, self.config,
                                     examples_consumed=progress.examples)
