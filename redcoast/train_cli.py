@@ -1,0 +1,240 @@
+"""``redcoast train run.yaml [--section.field=value ...]``: a run written down as a file.
+
+    redcoast train run.yaml
+    redcoast train run.yaml --trainer.fsdp=false --fit.n_epochs=3 --lora.rank=8
+
+Fine-tunes a Hugging Face folder, a GGUF file, or a fresh model from a config.json on text
+records from files (redcoast/text_task.py): a causal-LM or seq2seq loss, LoRA optional. The
+file is a :class:`~redcoast.run_config.RunConfig`; each ``--section.field=value`` replaces one
+field. The record of the run (overrides applied, paths absolute) is printed at the start and
+written to ``<workdir>/run.yaml`` and into every checkpoint (``files/run.yaml``): ``redcoast
+train`` on that file reruns the run, and on a workdir holding checkpoints ``fit`` resumes it (a
+SIGTERM saves and exits; the same command continues).
+"""
+
+import os
+import sys
+
+from .errors import ConfigError
+from .run_config import RunConfig, absolute_paths
+
+RECORD = "run.yaml"  # the run's record, in the workdir and in every checkpoint
+SEQ2SEQ_FAMILIES = ("t5", "bart")
+CAUSAL_FAMILIES = ("llama", "gpt2", "opt", "gptj")
+
+
+def main(argv=None) -> int:
+    """Entry point of ``redcoast train``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (len(argv) == 1 and argv[0] in ("-h", "--help")):
+        examples, description = __doc__.split("\n\n")[1:3]
+        print(f"usage: redcoast train run.yaml [--section.field=value ...]\n\n{examples}\n\n"
+              f"{description.strip()}\n\nEvery field: redcoast train run.yaml --help; what each "
+              "means: redcoast/run_config.py.")
+        return 0 if argv else 2
+    try:
+        cfg = absolute_paths(RunConfig.from_args(argv))
+        check(cfg)
+        train(cfg)
+    except ConfigError as e:  # the cause and the fix, without a traceback
+        print(f"redcoast train: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def check(cfg: RunConfig) -> None:
+    """What ``redcoast train`` needs beyond what the record's types say."""
+    missing = [name for name, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
+                                        ("deployer.workdir", cfg.deployer.workdir)) if not value]
+    if missing:
+        raise ConfigError(f"the run config sets no {', '.join(missing)}; redcoast train needs "
+                          "a model, training data and a workdir (for its checkpoints and "
+                          f"record). Fix: set them in the file or as --{missing[0]}=...")
+    for name, path in (("model.path", cfg.model.path), ("model.tokenizer", cfg.model.tokenizer),
+                       ("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"{name}: {path} does not exist (relative paths are read from the "
+                              "current directory). Fix: give the path of an existing file or "
+                              "folder.")
+
+
+def train(cfg: RunConfig):
+    """Run ``cfg`` to its end (or to a signal: saved, then SystemExit); the trainer."""
+    if cfg.simulate_cpu_devices:  # before JAX starts its backend
+        from .simulate import simulate_cpu_devices
+        simulate_cpu_devices(cfg.simulate_cpu_devices)
+    import jax
+    from etils import epath
+
+    from .deployer import Deployer
+
+    record = cfg.to_yaml()
+    with Deployer(**cfg.deployer_kwargs()) as deployer:
+        where = epath.Path(deployer.workdir) / RECORD  # a local path or a URL (gs://...)
+        deployer.log_info(record.rstrip("\n"), title=f"run config (kept as {where} and in every "
+                                                      "checkpoint):")
+        if jax.process_index() == 0:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.write_text(record)
+        return _train(cfg, deployer, record)
+
+
+def _train(cfg, deployer, record):
+    import jax
+
+    from .text_task import lengths, make_collate_fn, make_loss_fn, read_records, tokenise
+    from .trainer import Trainer
+
+    model, params, tokenizer, family = load_model(cfg.model, deployer)
+    task = task_of(cfg.model.task, family)
+    tokens = special_tokens(model, tokenizer)
+    data = cfg.data
+    fields = (data.text_field, data.prompt_field, data.completion_field)
+    train_examples = tokenise(read_records(data.train, data.text_field), tokens, task, fields,
+                              data.train)
+    eval_examples = None if data.eval is None else tokenise(
+        read_records(data.eval, data.text_field), tokens, task, fields, data.eval)
+    shape, cut = lengths(train_examples + (eval_examples or []), data.max_length)
+    deployer.log_info(f"{task}: {len(train_examples)} training and {len(eval_examples or [])} "
+                      f"eval examples, padded to {' + '.join(map(str, shape))} tokens"
+                      + (f"; {cut} longer ones cut at data.max_length={data.max_length}" if cut else ""))
+
+    lora, frozen = None, None
+    if cfg.lora.rank:
+        from .lora import LoRA, count
+        lora = LoRA(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=cfg.lora.targets)
+        frozen, params = params, lora.init(params, seed=deployer.jax_seed)
+        deployer.log_info(f"LoRA rank {lora.rank}: {count(params):,} trainable parameters on "
+                          f"{len(lora.selected(frozen))} kernels, {count(frozen):,} frozen")
+    optimizer, schedule = make_optimizer(cfg, deployer, len(train_examples))
+    trainer = Trainer(deployer, make_collate_fn(task, shape, tokens.pad, tokens.start),
+                      model.apply, make_loss_fn(model, task, lora), params, optimizer,
+                      lr_schedule_fn=schedule, frozen_params=frozen, **cfg.trainer_kwargs())
+    del params, frozen  # the trainer holds its own copies
+    eval_batch = cfg.fit.eval_per_device_batch_size or cfg.fit.per_device_batch_size
+    if cfg.eval_at_start and eval_examples:
+        loss = trainer.eval_loss(eval_examples, eval_batch)
+        deployer.log_info(f"eval loss before training: {loss:.4f}")
+        deployer.log_metrics({"eval_loss_at_start": loss}, 0)
+    fit(trainer, train_examples, eval_examples, cfg, {RECORD: record})
+    if cfg.export:
+        from .models import save_pretrained
+        params = (trainer.params if lora is None else
+                  jax.jit(lora.merge)(trainer.frozen_params, trainer.params))
+        save_pretrained(model, params, cfg.export, tokenizer=tokenizer)
+        deployer.log_info(f"the trained model is in {cfg.export} (a Hugging Face folder"
+                          + (", LoRA merged in)" if lora else ")"))
+    return trainer
+
+
+def fit(trainer, train_examples, eval_examples, cfg, files):
+    """``trainer.fit`` as the record says, ``files`` kept in every checkpoint."""
+    import inspect
+
+    kwargs = cfg.fit_kwargs()
+    # TODO(issue 29): drop this test once Trainer.fit passes checkpoint_files to FitRun
+    # (redcoast/fit_run.py FitRun(files=...)); until then the record is in the workdir only.
+    if "checkpoint_files" in inspect.signature(trainer.fit).parameters:
+        kwargs["checkpoint_files"] = files
+    else:
+        trainer.deployer.log_warning("this Trainer.fit takes no checkpoint_files: the run's "
+                                     f"record is kept in the workdir ({RECORD}) only.")
+    trainer.fit(train_examples, eval_examples=eval_examples, **kwargs)
+
+
+def load_model(model_cfg, deployer):
+    """``(model, params, tokenizer, family)`` from ``model.path``: a GGUF file, a Hugging Face
+    folder with weights, or a config.json (a folder with no weights) initialised fresh."""
+    import jax.numpy as jnp
+
+    from .models import from_gguf, from_pretrained, model_from_config
+
+    path, dtype = model_cfg.path, jnp.dtype(model_cfg.param_dtype)
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ConfigError(f"model.path {path} does not exist. Fix: give a GGUF file, a "
+                              "Hugging Face folder or a config.json.")
+        model, params, tokenizer = from_gguf(path, deployer, param_dtype=dtype,
+                                             with_tokenizer=model_cfg.tokenizer is None)
+        folder = None
+    else:
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        config = path if os.path.isfile(path) else os.path.join(path, "config.json")
+        if not os.path.isfile(config):
+            raise ConfigError(f"model.path {path} is no GGUF file, no config.json and no folder "
+                              "holding one. Fix: give a Hugging Face folder, a GGUF file or a "
+                              "config.json.")
+        if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
+            model, params = from_pretrained(path, deployer, param_dtype=dtype)
+        else:
+            model, _ = model_from_config(config, param_dtype=dtype)
+            params = model.init(deployer.jax_seed)
+            deployer.log_info(f"{path} holds no weights: the model starts from random ones "
+                              f"(its initialisers, seed deployer.jax_seed={deployer.jax_seed})")
+        tokenizer = None
+    if model_cfg.tokenizer is not None or tokenizer is None:
+        tokenizer = load_tokenizer(model_cfg.tokenizer or os.path.join(folder, "tokenizer.json"))
+    return model, params, tokenizer, model.module_cls.__module__.rsplit(".", 1)[-1]
+
+
+def load_tokenizer(path):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError("redcoast train reads tokenizers with the `tokenizers` package. "
+                          "Fix: pip install tokenizers") from None
+    if not os.path.isfile(path):
+        raise ConfigError(f"no tokenizer at {path}. Fix: put the model's tokenizer.json there, "
+                          "or give its path as model.tokenizer.")
+    return Tokenizer.from_file(path)
+
+
+def task_of(task, family):
+    """The loss for ``family`` (a redcoast.models module name): as asked, or by the family."""
+    if task == "auto":
+        if family in SEQ2SEQ_FAMILIES:
+            return "seq2seq"
+        if family in CAUSAL_FAMILIES:
+            return "causal_lm"
+        raise ConfigError(f"redcoast train fine-tunes causal LMs ({', '.join(CAUSAL_FAMILIES)}) "
+                          f"and seq2seq models ({', '.join(SEQ2SEQ_FAMILIES)}), not {family}. "
+                          "Fix: write a script with your own loss_fn (README: The three functions).")
+    wanted = SEQ2SEQ_FAMILIES if task == "seq2seq" else CAUSAL_FAMILIES
+    if family not in wanted:
+        raise ConfigError(f"model.task={task} but the model is {family} (it trains as "
+                          f"{task_of('auto', family)}). Fix: model.task: auto.")
+    return task
+
+
+def special_tokens(model, tokenizer):
+    """The end, padding and decoder-start ids from the model's generation defaults and config
+    (the pad: the end token where there is none, else 0)."""
+    from .text_task import Tokens
+
+    def first(name):
+        for value in ((model.generation_config or {}).get(name), getattr(model.config, name, None)):
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if value is not None:
+                return int(value)
+        return None
+
+    eos = first("eos_token_id")
+    pad = first("pad_token_id")
+    return Tokens(tokenizer, eos=eos, pad=pad if pad is not None else eos if eos is not None else 0,
+                  start=first("decoder_start_token_id"))
+
+
+def make_optimizer(cfg, deployer, train_size):
+    """AdamW on the deployer's schedule over the run's updates, clipped where asked."""
+    import optax
+
+    o, f = cfg.optimizer, cfg.fit
+    schedule = deployer.get_lr_schedule_fn(
+        train_size=train_size, per_device_batch_size=f.per_device_batch_size, n_epochs=f.n_epochs,
+        learning_rate=o.learning_rate, schedule_type=o.schedule_type, warmup_rate=o.warmup_rate,
+        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, max_steps=f.max_steps)
+    optimizer = optax.adamw(schedule, weight_decay=o.weight_decay)
+    if o.max_grad_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(o.max_grad_norm), optimizer)
+    return optimizer, schedule

@@ -1,0 +1,345 @@
+"""``redcoast train run.yaml``: text files into batches (text_task.py), the record kept with the
+run and its checkpoints, and the acceptance run: the demo's task from a file, resumed after
+SIGTERM to the same parameters as an uninterrupted run, and rerun from its stored record."""
+
+import csv
+import dataclasses
+import importlib.util
+import inspect
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from redcoast.checkpoint import CheckpointStore
+from redcoast.errors import ConfigError
+from redcoast.run_config import RunConfig
+from redcoast.text_task import Tokens, lengths, make_collate_fn, read_records, tokenise
+from redcoast.trainer import Trainer
+from redcoast.train_cli import main
+
+pytest.importorskip("draccus")
+pytest.importorskip("tokenizers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "examples", "train_yaml")
+FIT_KEEPS_FILES = "checkpoint_files" in inspect.signature(Trainer.fit).parameters
+NO_FILES_YET = "Trainer.fit takes no checkpoint_files yet (the trainer.py change of issue 29)"
+
+
+def recipe_module():
+    """examples/train_yaml/make_data.py (the demo's records, the character tokenizer)."""
+    spec = importlib.util.spec_from_file_location("make_data", os.path.join(RECIPE, "make_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_data = recipe_module()
+
+
+def char_tokens(tmp_path):
+    path = str(tmp_path / "tokenizer.json")
+    make_data.write_tokenizer(path)
+    from tokenizers import Tokenizer
+    return Tokens(Tokenizer.from_file(path), eos=1, pad=0, start=0)
+
+
+def ids(text):
+    return make_data.data.encode(text)
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def test_records_read_alike_from_every_format(tmp_path):
+    records = [{"prompt": "add: 1+2 -> ", "completion": "3"}, {"prompt": "a,\"b\"", "completion": "c"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n\n" for r in records))
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["prompt", "completion"])
+        writer.writeheader()
+        writer.writerows(records)
+    for name in ("d.jsonl", "d.json", "d.csv"):
+        assert read_records(str(tmp_path / name)) == records, name
+    (tmp_path / "d.txt").write_text("first line\n\nsecond: line\n")
+    assert read_records(str(tmp_path / "d.txt"), "body") == [{"body": "first line"},
+                                                              {"body": "second: line"}]
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl line 2 is not valid JSON"):
+        read_records(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "obj.json").write_text('{"text": "x"}')
+    with pytest.raises(ConfigError, match="a .json data file is a list of objects"):
+        read_records(str(tmp_path / "obj.json"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_records(str(tmp_path / "none.jsonl"))
+
+
+def test_causal_batches_predict_the_completion_only(tmp_path):
+    tokens = char_tokens(tmp_path)
+    records = [{"prompt": "ab", "completion": "cde"}, {"prompt": "a", "completion": "b"}]
+    examples = tokenise(records, tokens, "causal_lm", ("text", "prompt", "completion"), "d")
+    assert examples[0] == {"ids": ids("abcde") + [1], "n_prompt": 2}
+    shape, cut = lengths(examples, max_length=32)
+    assert (shape, cut) == ((5,), 0)  # 6 ids: 5 inputs, 5 targets
+    batch = make_collate_fn("causal_lm", shape, pad=0)(examples)
+    a, b, c, d, e = ids("abcde")
+    np.testing.assert_array_equal(batch["input_ids"], [[a, b, c, d, e], [a, b, 1, 0, 0]])
+    np.testing.assert_array_equal(batch["labels"], [[b, c, d, e, 1], [b, 1, 0, 0, 0]])
+    # targets c, d, e and the end (not b: it is the prompt's); b and the end
+    np.testing.assert_array_equal(batch["weights"], [[0, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    # cut at 3 tokens: the first keeps c and d as targets
+    shape, cut = lengths(examples, max_length=3)
+    assert (shape, cut) == ((3,), 1)
+    batch = make_collate_fn("causal_lm", shape, pad=0)(examples)
+    np.testing.assert_array_equal(batch["weights"], [[0, 1, 1], [1, 1, 0]])
+    text = tokenise([{"text": "abc"}], tokens, "causal_lm", ("text", "prompt", "completion"), "d")
+    batch = make_collate_fn("causal_lm", (4,), pad=0)(text)
+    np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 0]])  # b, c, the end
+
+
+def test_seq2seq_batches_teach_the_target_after_the_start_token(tmp_path):
+    tokens = char_tokens(tmp_path)
+    examples = tokenise([{"prompt": "abc", "completion": "de"}, {"prompt": "a", "completion": "d"}],
+                        tokens, "seq2seq", ("text", "prompt", "completion"), "d")
+    shape, _ = lengths(examples, max_length=32)
+    assert shape == (4, 3)
+    batch = make_collate_fn("seq2seq", shape, pad=0, start=0)(examples)
+    a, b, c, d, e = ids("abcde")
+    np.testing.assert_array_equal(batch["input_ids"], [[a, b, c, 1], [a, 1, 0, 0]])
+    np.testing.assert_array_equal(batch["attention_mask"], [[1, 1, 1, 1], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(batch["labels"], [[d, e, 1], [d, 1, 0]])
+    np.testing.assert_array_equal(batch["decoder_input_ids"], [[0, d, e], [0, d, 1]])
+    np.testing.assert_array_equal(batch["weights"], [[1, 1, 1], [1, 1, 0]])
+
+
+def test_records_without_the_fields_name_theirs_and_the_fix(tmp_path):
+    tokens = char_tokens(tmp_path)
+    fields = ("text", "prompt", "completion")
+    with pytest.raises(ConfigError, match=r"d.jsonl: its records have the fields \['answer', "
+                                          r"'question'\]; causal_lm training needs 'text', or "
+                                          r"'prompt' and 'completion'. Fix: set data.text_field"):
+        tokenise([{"question": "a", "answer": "b"}], tokens, "causal_lm", fields, "d.jsonl")
+    with pytest.raises(ConfigError, match="seq2seq training needs 'prompt' and 'completion'"):
+        tokenise([{"text": "a"}], tokens, "seq2seq", fields, "d.jsonl")
+    with pytest.raises(ConfigError, match="record 2 has no 'completion'"):
+        tokenise([{"prompt": "a", "completion": "b"}, {"prompt": "a"}], tokens, "seq2seq",
+                 fields, "d.jsonl")
+
+
+def test_a_store_keeps_its_files_in_every_checkpoint_and_only_there(tmp_path):
+    import jax.numpy as jnp
+    state = {"w": jnp.arange(3.0)}
+    store = CheckpointStore(str(tmp_path / "a"), keep_last_n=2, files={"run.yaml": "fit: {}\n"})
+    for step in (1, 2, 3):
+        store.save(step, state, {"step": step})
+    store.close()
+    assert sorted(os.listdir(tmp_path / "a")) == ["2", "3"]  # the files went with step 1
+    for step in ("2", "3"):
+        assert (tmp_path / "a" / step / "files" / "run.yaml").read_text() == "fit: {}\n"
+    plain = CheckpointStore(str(tmp_path / "b"))
+    plain.save(1, state, {"step": 1})
+    plain.close()
+    assert "files" not in os.listdir(tmp_path / "b" / "1")
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def tiny_model(folder, **config):
+    """A Llama (or ``config``'s family) config.json beside the character tokenizer."""
+    os.makedirs(folder, exist_ok=True)
+    config = config or {**make_data.CONFIG, "hidden_size": 16, "intermediate_size": 32,
+                        "num_hidden_layers": 1, "num_attention_heads": 2,
+                        "num_key_value_heads": 1}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    make_data.write_tokenizer(os.path.join(folder, "tokenizer.json"))
+    return str(folder)
+
+
+def demo_files(tmp_path, n_train, n_eval):
+    make_data.main(["--out", str(tmp_path / "data"), "--n-train", str(n_train),
+                    "--n-eval", str(n_eval)])
+    return str(tmp_path / "data" / "train.jsonl"), str(tmp_path / "data" / "eval.jsonl")
+
+
+def saved_params(folder):
+    from safetensors.numpy import load_file
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_a_run_from_a_file_keeps_its_record_and_reruns_from_it(tmp_path, monkeypatch, capfd):
+    train, _ = demo_files(tmp_path, 32, 8)
+    tiny_model(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)  # relative paths: from the current directory
+    (tmp_path / "run.yaml").write_text(
+        "deployer: {n_model_shards: 2, workdir: work}\n"
+        "trainer: {fsdp: false, fuse_matmuls: false}\n"
+        "fit: {per_device_batch_size: 2, n_epochs: 1, save_last_ckpt: true}\n"
+        "model: {path: model}\n"
+        "data: {train: data/train.jsonl, max_length: 24}\n"
+        "optimizer: {learning_rate: 0.01}\n")
+    assert main(["run.yaml", "--fit.n_epochs=2", "--export=out"]) == 0
+    out = capfd.readouterr()
+    expected = RunConfig.from_yaml((tmp_path / "run.yaml").read_text())
+    expected = dataclasses.replace(
+        expected, fit=dataclasses.replace(expected.fit, n_epochs=2), export=str(tmp_path / "out"),
+        deployer=dataclasses.replace(expected.deployer, workdir=str(tmp_path / "work")),
+        model=dataclasses.replace(expected.model, path=str(tmp_path / "model")),
+        data=dataclasses.replace(expected.data, train=train))
+    stored = tmp_path / "work" / "run.yaml"
+    assert RunConfig.load(str(stored)) == expected  # overrides in, paths absolute
+    assert "n_epochs: 2" in out.out + out.err  # the record printed at the start
+    trained = saved_params(tmp_path / "out")
+    steps = tmp_path / "work" / "checkpoints" / "steps"
+    last = max(os.listdir(steps), key=int)
+    assert int(last) == 2 * 32 // 8  # 2 epochs of 32 examples in updates of 2 x 4 data shards
+
+    # the stored record reruns the run: in its workdir it resumes at the end, exporting again
+    os.remove(tmp_path / "out" / "model.safetensors")
+    monkeypatch.chdir(tmp_path / "model")  # anywhere: its paths are absolute
+    assert main([str(stored)]) == 0
+    out = capfd.readouterr()
+    assert f"resumed from {steps}/{last}" in out.out + out.err
+    rerun = saved_params(tmp_path / "out")
+    assert rerun.keys() == trained.keys()
+    for name in trained:
+        np.testing.assert_array_equal(rerun[name], trained[name], err_msg=name)
+    if not FIT_KEEPS_FILES:
+        pytest.skip(NO_FILES_YET)
+    assert (steps / last / "files" / "run.yaml").read_text() == stored.read_text()
+
+
+def test_the_command_names_what_is_missing_or_wrong(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model: {path: m}\n")
+    assert main([str(tmp_path / "run.yaml")]) == 2
+    assert ("the run config sets no data.train, deployer.workdir; redcoast train needs a model, "
+            "training data and a workdir") in capsys.readouterr().err
+    assert main([str(tmp_path / "run.yaml"), "--data.trian=x"]) == 2
+    assert "unknown option --data.trian (did you mean --data.train?)" in capsys.readouterr().err
+    assert main([str(tmp_path / "run.yaml"), "--data.train=run.yaml", "--deployer.workdir=w"]) == 2
+    assert (f"model.path: {tmp_path / 'm'} does not exist (relative paths are read from the "
+            "current directory)") in capsys.readouterr().err
+    (tmp_path / "m").mkdir()
+    assert main([str(tmp_path / "run.yaml"), "--data.train=run.yaml", "--deployer.workdir=w"]) == 2
+    assert f"model.path {tmp_path / 'm'} is no GGUF file, no config.json and no folder holding " \
+        "one" in capsys.readouterr().err
+    assert main([]) == 2 and main(["--help"]) == 0
+    assert "redcoast train run.yaml --trainer.fsdp=false" in capsys.readouterr().out
+    from redcoast.launch import cli
+    assert cli(["train", "--help"]) == 0  # the redcoast command's own
+    assert "usage: redcoast train run.yaml" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ acceptance
+
+
+def run_command(args, workdir, env=None, **popen):
+    return subprocess.Popen([sys.executable, "-m", "redcoast", "train", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, **popen)
+
+
+def finished(proc, timeout=600):
+    log, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+def eval_losses(workdir):
+    """``(eval loss before training, eval losses after each epoch)`` from metrics.jsonl."""
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    start = [r["eval_loss_at_start"] for r in records if "eval_loss_at_start" in r]
+    return start[0], [r["eval_loss"] for r in records if "eval_loss" in r]
+
+
+@pytest.mark.slow
+def test_the_demo_task_from_a_file_resumes_after_sigterm_and_reruns_from_its_record(tmp_path):
+    """examples/train_yaml/run.yaml on the demo's records: the model learns (eval loss well
+    under the untrained model's), a run stopped by SIGTERM and started again ends with the same
+    parameters, bit for bit, as one never stopped (same layout, same data order: fit's resume
+    is exact), and the record stored in a checkpoint reruns the run from scratch to them too."""
+    train, valid = demo_files(tmp_path, 1024, 64)
+    make_data.main(["--out", str(tmp_path / "gen"), "--n-train", "1", "--n-eval", "1"])
+    common = ["examples/train_yaml/run.yaml", f"--model.path={tmp_path / 'gen' / 'model'}",
+              f"--data.train={train}", f"--data.eval={valid}", "--fit.n_epochs=2",
+              "--fit.save_every_n_steps=4", "--fit.keep_last_n_ckpts=2"]
+
+    def args(name):
+        return common + [f"--deployer.workdir={tmp_path / name}", f"--export={tmp_path / name / 'out'}"]
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    finished(run_command(args("whole"), tmp_path / "whole", env))
+    before, after = eval_losses(tmp_path / "whole")
+    assert len(after) == 2 and after[-1] < 0.7 * before, (before, after)
+    whole = saved_params(tmp_path / "whole" / "out")
+
+    proc = run_command(args("stopped"), tmp_path / "stopped", env)
+    first = tmp_path / "stopped" / "checkpoints" / "steps" / "4"
+    deadline = time.time() + 300
+    while not first.is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log = finished(proc)
+    assert "stopped by SIGTERM" in log and "Run the same command again to continue" in log
+    log = finished(run_command(args("stopped"), tmp_path / "stopped", env))
+    resumed = re.findall(r"resumed from \S+/steps/(\d+): step", log)
+    assert resumed and 4 <= int(resumed[0]) < 32, log[-3000:]  # mid-run: 2 epochs of 16 updates
+    stopped = saved_params(tmp_path / "stopped" / "out")
+    for name in whole:
+        np.testing.assert_array_equal(stopped[name], whole[name], err_msg=name)
+
+    steps = tmp_path / "stopped" / "checkpoints" / "steps"
+    record = steps / max(os.listdir(steps), key=int) / "files" / "run.yaml"
+    if not FIT_KEEPS_FILES:
+        record = tmp_path / "stopped" / "run.yaml"
+    rerun = ["--deployer.workdir", str(tmp_path / "again"), f"--export={tmp_path / 'again' / 'out'}"]
+    finished(run_command([str(record), *rerun], tmp_path / "again", env))
+    again = saved_params(tmp_path / "again" / "out")
+    for name in whole:
+        np.testing.assert_array_equal(again[name], whole[name], err_msg=name)
+    if not FIT_KEEPS_FILES:
+        pytest.skip(NO_FILES_YET + ": reran from the workdir's record instead")
+
+
+T5_CONFIG = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
+             "vocab_size": 48, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 1,
+             "num_heads": 4, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+             "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
+
+
+@pytest.mark.slow
+def test_seq2seq_with_lora_trains_the_adapters_alone_and_learns(tmp_path, capfd):
+    """A T5 from config.json, LoRA on its q and v: the exported model (LoRA merged in) equals
+    the fresh one outside q and v, differs in them, and the eval loss falls."""
+    from redcoast.models import model_from_config, save_pretrained
+
+    train, valid = demo_files(tmp_path, 256, 32)
+    folder = tiny_model(tmp_path / "t5", **T5_CONFIG)
+    args = [f"--model.path={folder}", f"--data.train={train}", f"--data.eval={valid}",
+            f"--deployer.workdir={tmp_path / 'w'}", "--deployer.n_model_shards=2",
+            "--trainer.fsdp=false", "--trainer.fuse_matmuls=false", "--fit.n_epochs=3",
+            "--fit.per_device_batch_size=4", "--optimizer.learning_rate=0.02", "--lora.rank=4",
+            "--eval_at_start=true", f"--export={tmp_path / 'out'}"]
+    assert main(args) == 0, capfd.readouterr().err
+    before, after = eval_losses(tmp_path / "w")
+    assert after[-1] < 0.9 * before, (before, after)
+    model, _ = model_from_config(os.path.join(folder, "config.json"))
+    trained = saved_params(tmp_path / "out")
+    save_pretrained(model, model.init(0), str(tmp_path / "fresh"))  # seed deployer.jax_seed
+    fresh = saved_params(tmp_path / "fresh")
+    adapted = [n for n in fresh if re.search(r"\.(q|v)\.weight$", n)]
+    assert adapted and set(trained) == set(fresh)
+    for name in fresh:
+        if name in adapted:
+            assert not np.array_equal(trained[name], fresh[name]), name
+        else:
+            np.testing.assert_array_equal(trained[name], fresh[name], err_msg=name)
