@@ -102,6 +102,8 @@ def tokenise(records, tokens, task, fields, source):
                              "target": tokens.ended(tokens.encode(str(record[completion_field])))})
         elif paired:
             prompt = tokens.encode(str(record[prompt_field]))
+            if prompt and prompt[-1] == tokens.eos:  # a template's end (T5-style): not mid-way
+                prompt = prompt[:-1]
             completion = tokens.ended(tokens.encode(str(record[completion_field]), special=False))
             examples.append({"ids": prompt + completion, "n_prompt": len(prompt)})
         else:

@@ -102,6 +102,13 @@ def test_causal_batches_predict_the_completion_only(tmp_path):
     text = tokenise([{"text": "abc"}], tokens, "causal_lm", ("text", "prompt", "completion"), "d")
     batch = make_collate_fn("causal_lm", (4,), pad=0)(text)
     np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 0]])  # b, c, the end
+    # a tokenizer whose template ends every text with the end token (T5's): once, at the end
+    from tokenizers.processors import TemplateProcessing
+    tokens.tokenizer.post_processor = TemplateProcessing(single="$A </s>",
+                                                         special_tokens=[("</s>", 1)])
+    assert tokenise(records, tokens, "causal_lm", ("text", "prompt", "completion"), "d") == examples
+    assert tokenise([{"text": "abc"}], tokens, "causal_lm", ("text", "prompt", "completion"),
+                    "d") == [{"ids": ids("abc") + [1], "n_prompt": 0}]
 
 
 def test_seq2seq_batches_teach_the_target_after_the_start_token(tmp_path):
