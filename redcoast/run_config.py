@@ -166,7 +166,7 @@ class LoRAConfig:
 
     rank: int = 0
     alpha: float = 16.0
-    targets: str = r"(^|/)(q_proj|v_proj|query|value|q|v|c_attn)/kernel$"
+    targets: str = r"(^|/)(q_proj|v_proj|query|value|q|v|c_attn)/kernel$"  # lora.DEFAULT_TARGETS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,6 +159,8 @@ def test_keyword_arguments_are_what_the_callables_take():
     deployer = Deployer(**cfg.deployer_kwargs())
     assert (deployer.jax_seed, deployer.n_model_shards, deployer.verbose) == (3, 2, False)
     assert RunConfig().fit_kwargs()["per_device_batch_size"] == 8
+    from redcoast.lora import DEFAULT_TARGETS, LoRA
+    assert LoRAConfig().targets == DEFAULT_TARGETS and LoRAConfig().alpha == LoRA().alpha
 
 
 def test_missing_libraries_name_the_extra(monkeypatch):
