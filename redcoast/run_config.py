@@ -37,7 +37,8 @@ NOT_DATA = {
     "fit": {
         "train_examples": "examples (redcoast train: the data section)",
         "eval_examples": "examples (redcoast train: the data section)",
-        "eval_predictor": "a Predictor object", "eval_metric_fn": "a function"},
+        "eval_predictor": "a Predictor object", "eval_metric_fn": "a function",
+        "checkpoint_files": "files kept with every checkpoint (redcoast train: the record)"},
 }
 
 

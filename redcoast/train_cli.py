@@ -129,16 +129,8 @@ def _train(cfg, deployer, record):
 
 def fit(trainer, train_examples, eval_examples, cfg, files):
     """``trainer.fit`` as the record says, ``files`` kept in every checkpoint."""
-    import inspect
-
     kwargs = cfg.fit_kwargs()
-    # TODO(issue 29): drop this test once Trainer.fit passes checkpoint_files to FitRun
-    # (redcoast/fit_run.py FitRun(files=...)); until then the record is in the workdir only.
-    if "checkpoint_files" in inspect.signature(trainer.fit).parameters:
-        kwargs["checkpoint_files"] = files
-    else:
-        trainer.deployer.log_warning("this Trainer.fit takes no checkpoint_files: the run's "
-                                     f"record is kept in the workdir ({RECORD}) only.")
+    kwargs["checkpoint_files"] = files
     trainer.fit(train_examples, eval_examples=eval_examples, **kwargs)
 
 

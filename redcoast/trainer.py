@@ -345,7 +345,7 @@ class Trainer:
             save_last_ckpt=False, save_argmin_ckpt_by_metrics=None,
             save_argmax_ckpt_by_metrics=None, keep_last_n_ckpts=None, resume=True,
             log_every_n_steps=10, shuffle=True, max_steps=None, eval_every_n_steps=None,
-            check_layout=False):
+            check_layout=False, checkpoint_files=None):
         """Train for ``n_epochs`` (or until ``max_steps`` updates in all, whichever comes first;
         ``n_epochs=None`` with ``max_steps``: as many epochs as that takes), evaluating after each
         epoch, every ``eval_every_n_steps`` updates and at ``max_steps``, saving and resuming as
@@ -367,6 +367,8 @@ class Trainer:
         A checkpoint is written before the evaluation that follows it; a failing evaluation
         raises :class:`~redcoast.errors.EvaluationError` naming that checkpoint.
         ``check_layout=True``: the layout is checked against one device first (:meth:`check_layout`).
+        ``checkpoint_files``: ``{name: text}`` written into every checkpoint's ``files/`` folder
+        (``redcoast train`` keeps the run's YAML there).
         The loop and its between-step actions are in fit_run.py and actions.py.
         """
         self._require_concrete("fit")
@@ -390,7 +392,7 @@ class Trainer:
                                 eval_loss, eval_predictor, eval_metric_fn)
         actions = fit_actions(save_every_n_steps, eval_every_n_steps, max_steps,
                               log_every_n_steps, save_every_k_epochs, save_last_ckpt)
-        run = FitRun(self, schedule, evaluation, actions, keep_best)
+        run = FitRun(self, schedule, evaluation, actions, keep_best, files=checkpoint_files)
         with run.open(keep_last_n_ckpts, resume, wants_saving):
             if resume:
                 run.resume()

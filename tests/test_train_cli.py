@@ -5,7 +5,6 @@ SIGTERM to the same parameters as an uninterrupted run, and rerun from its store
 import csv
 import dataclasses
 import importlib.util
-import inspect
 import json
 import os
 import re
@@ -21,7 +20,6 @@ from redcoast.checkpoint import CheckpointStore
 from redcoast.errors import ConfigError
 from redcoast.run_config import RunConfig
 from redcoast.text_task import Tokens, lengths, make_collate_fn, read_records, tokenise
-from redcoast.trainer import Trainer
 from redcoast.train_cli import main
 
 pytest.importorskip("draccus")
@@ -29,8 +27,6 @@ pytest.importorskip("tokenizers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "examples", "train_yaml")
-FIT_KEEPS_FILES = "checkpoint_files" in inspect.signature(Trainer.fit).parameters
-NO_FILES_YET = "Trainer.fit takes no checkpoint_files yet (the trainer.py change of issue 29)"
 
 
 def recipe_module():
@@ -219,8 +215,6 @@ def test_a_run_from_a_file_keeps_its_record_and_reruns_from_it(tmp_path, monkeyp
     assert rerun.keys() == trained.keys()
     for name in trained:
         np.testing.assert_array_equal(rerun[name], trained[name], err_msg=name)
-    if not FIT_KEEPS_FILES:
-        pytest.skip(NO_FILES_YET)
     assert (steps / last / "files" / "run.yaml").read_text() == stored.read_text()
 
 
@@ -306,15 +300,11 @@ def test_the_demo_task_from_a_file_resumes_after_sigterm_and_reruns_from_its_rec
 
     steps = tmp_path / "stopped" / "checkpoints" / "steps"
     record = steps / max(os.listdir(steps), key=int) / "files" / "run.yaml"
-    if not FIT_KEEPS_FILES:
-        record = tmp_path / "stopped" / "run.yaml"
     rerun = ["--deployer.workdir", str(tmp_path / "again"), f"--export={tmp_path / 'again' / 'out'}"]
     finished(run_command([str(record), *rerun], tmp_path / "again", env))
     again = saved_params(tmp_path / "again" / "out")
     for name in whole:
         np.testing.assert_array_equal(again[name], whole[name], err_msg=name)
-    if not FIT_KEEPS_FILES:
-        pytest.skip(NO_FILES_YET + ": reran from the workdir's record instead")
 
 
 T5_CONFIG = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
