@@ -74,6 +74,7 @@ RUN_ONCE = {
     "test_permuted.py::test_the_trainer_splits_gpt2s_fused_c_attn_by_heads_at_megatron_traffic":
         set(),                                                          # 9
     "test_plan.py::test_a_plan_that_does_not_fit_says_what_would": set(),  # 9
+    "test_packing.py::test_packed_rows_train_in_the_sharded_layout_as_on_one_device": set(),  # 16
 }
 
 

@@ -7,7 +7,8 @@
   (the "rotate half" convention of Hugging Face checkpoints, or GPT-J's interleaved pairs on
   part of each head).
 - Attention with a key/value cache: :func:`attention_mask` (causal, padding, optional sliding
-  window, over query and key *slots*), :func:`write_cache` (a traceable in-place write) and
+  window, optional segments of packed sequences, over query and key *slots*;
+  :func:`segment_positions` for the packed sequences' positions), :func:`write_cache` (a traceable in-place write) and
   :func:`attend` (cuDNN's fused attention on NVIDIA GPUs where the call allows it, XLA's elsewhere).
 
 Every function is independent of any one model family: they take plain numbers and arrays.
@@ -188,10 +189,11 @@ def apply_rotary(x, cos, sin, interleaved=False):
 # ---------------------------------------------------------------------------------------------
 # Attention with a cache
 
-def attention_mask(query_slots, key_slots, key_valid, sliding_window=None):
+def attention_mask(query_slots, key_slots, key_valid, sliding_window=None, segment_ids=None):
     """Boolean ``[B, 1, T, S]``: query at slot ``query_slots[t]`` may attend to key slot
     ``key_slots[s]`` when it is not later, holds a real token (``key_valid [B, S]``) and, with
-    ``sliding_window``, lies fewer than that many slots back.
+    ``sliding_window``, lies fewer than that many slots back; with ``segment_ids [B, T]``
+    (several sequences packed in one row, no cache: T == S), only within its own segment.
 
     A query that would see nothing (a padding position) attends to its own slot instead, so no
     softmax row is empty: its output is meaningless but finite, and gradients stay finite.
@@ -202,7 +204,19 @@ def attention_mask(query_slots, key_slots, key_valid, sliding_window=None):
     if sliding_window is not None:
         allowed = allowed & (q - k < sliding_window)
     allowed = allowed[None] & key_valid.astype(bool)[:, None, :]
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return (allowed | (k == q)[None])[:, None]
+
+
+def segment_positions(segment_ids):
+    """``[B, T]`` positions counted from the first token of each token's segment (0 there):
+    the positions of sequences packed in one row, each as if it stood alone."""
+    t = segment_ids.shape[-1]
+    index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=-1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def write_cache(cache, new, index):

@@ -27,7 +27,7 @@ from flax.core import FrozenDict
 from ..errors import ConfigError
 from . import hf
 from .layers import (RMSNorm, apply_rotary, attend, attention_mask, rope_type, rotary_cos_sin,
-                     write_cache)
+                     segment_positions, write_cache)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
@@ -250,7 +250,7 @@ class LlamaAttention(nnx.Module):
         self.o_proj = _linear(c.num_attention_heads * c.head_dim, c.hidden_size,
                               c.attention_out_bias, c, rngs, param_dtype)
 
-    def __call__(self, x, cos, sin, key_valid, cache=None, cache_index=None):
+    def __call__(self, x, cos, sin, key_valid, cache=None, cache_index=None, segment_ids=None):
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim)
@@ -267,7 +267,8 @@ class LlamaAttention(nnx.Module):
                      "v": write_cache(cache["v"], v, cache_index)}
             k, v = cache["k"], cache["v"]
             query_slots = query_slots + cache_index
-        mask = attention_mask(query_slots, jnp.arange(k.shape[1]), key_valid, self.window)
+        mask = attention_mask(query_slots, jnp.arange(k.shape[1]), key_valid, self.window,
+                              segment_ids)
         y = attend(q, k, v, mask, scale=c.head_dim ** -0.5,
                    implementation=c.attention_implementation)
         return self.o_proj(y.reshape(b, t, c.num_attention_heads * c.head_dim)), cache
@@ -302,14 +303,15 @@ class LlamaDecoderLayer(nnx.Module):
                                                 param_dtype=param_dtype)
         self.mlp = LlamaMLP(c, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, key_valid, cache=None, cache_index=None):
-        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, key_valid, cache, cache_index)
+    def __call__(self, x, cos, sin, key_valid, cache=None, cache_index=None, segment_ids=None):
+        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, key_valid, cache, cache_index,
+                                  segment_ids)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
-def _run_layer(layer, x, cos, sin, key_valid, cache, cache_index):
-    return layer(x, cos, sin, key_valid, cache, cache_index)
+def _run_layer(layer, x, cos, sin, key_valid, cache, cache_index, segment_ids):
+    return layer(x, cos, sin, key_valid, cache, cache_index, segment_ids)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -337,17 +339,28 @@ class LlamaForCausalLM(nnx.Module):
                            for i in range(c.num_hidden_layers)}}
 
     def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
-                 cache_index=None):
+                 cache_index=None, segment_ids=None):
         """Logits ``[B, T, vocab]`` float32; with ``cache``, ``(logits, new_cache)``.
 
         Without a cache: ``attention_mask [B, T]`` (1 real, 0 padding) is optional; positions
         default to the count of real tokens before each one (left padding works). With a cache:
         ``input_ids[:, 0]`` goes to slot ``cache_index`` (int32 scalar, the same for all rows),
         ``attention_mask [B, S_max]`` marks the slots that hold (or now receive) real tokens,
-        and ``positions [B, T]`` are required.
+        and ``positions [B, T]`` are required. ``segment_ids [B, T]`` (training on sequences
+        packed in a row, :func:`redcoast.packing.pack_sequences`; no cache): tokens attend
+        within their own segment only, 0 marks padding, and positions default to each
+        segment's own count, so each sequence computes as if it stood alone.
         """
         c = self.config
         b, t = input_ids.shape
+        if segment_ids is not None:
+            if cache is not None or attention_mask is not None:
+                raise ConfigError("segment_ids (packed sequences) replace attention_mask and do "
+                                  "not go with a cache. Fix: pass segment_ids alone for training "
+                                  "on packed rows; decode one sequence per row.")
+            attention_mask = (segment_ids != 0).astype(jnp.int32)
+            if positions is None:
+                positions = segment_positions(segment_ids)
         if cache is not None:
             if positions is None or cache_index is None:
                 raise ConfigError("decoding with a cache needs positions [B, T] and cache_index; "
@@ -368,7 +381,8 @@ class LlamaForCausalLM(nnx.Module):
         new_cache = {"layers": {}}
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache["layers"][str(i)]
-            x, layer_cache = run(layer, x, cos, sin, attention_mask, layer_cache, cache_index)
+            x, layer_cache = run(layer, x, cos, sin, attention_mask, layer_cache, cache_index,
+                                 segment_ids)
             new_cache["layers"][str(i)] = layer_cache
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if c.tie_word_embeddings else self.lm_head(x)
