@@ -67,11 +67,13 @@ def _parse_groups(line):
         # names may be quoted and hold ':' or '/' (redcoast's grouped axes: 'mp:2/within')
         axes = re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        along = [names.index(a) for a in re.findall(r"'?([^',\s]+)'?", m.group(3))]
         ids = _device_ids(m.group(2), int(np.prod(sizes))).reshape(sizes)
-        rest = [i for i in range(len(sizes)) if i not in along]
-        g = int(np.prod([sizes[i] for i in along])) if along else 1
-        return ids.transpose(rest + along).reshape(-1, g).tolist()
+        along = _mesh_axes_along(names, sizes, m.group(3))
+        ids = ids.reshape([d for dims in along[1] for d in dims])  # sub-axes split, major first
+        chosen = along[0]
+        rest = [i for i in range(ids.ndim) if i not in chosen]
+        g = int(np.prod([ids.shape[i] for i in chosen])) if chosen else 1
+        return ids.transpose(rest + chosen).reshape(-1, g).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if m:  # iota form: [groups, size]<=[reshape]T(perm)
         shape = [int(x) for x in m.group(1).split(",")]
@@ -86,6 +88,41 @@ def _parse_groups(line):
             return []  # {}: all devices in one group
         return [[int(x) for x in grp.split(",") if x.strip()] for grp in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
     return None
+
+
+# one entry of a mesh collective's axes: 'name' (or name), optionally a sub-axis 'name':(p)s
+_MESH_AXIS_RE = re.compile(r"(?:'([^']+)'|([\w./-]+))(?::\((\d+)\)(\d+))?")
+
+
+def _mesh_axes_along(names, sizes, text):
+    """``(dims along, [dims of each axis])`` for a collective over ``text``'s axes (``'mp'``,
+    or Shardy's sub-axis ``'mp':(2)2``: of axis 'mp', the factor of size 2 after (more minor
+    than) a factor of size 2). Each axis is split, major first, at every sub-axis boundary
+    named, so that a sub-axis is a run of whole dimensions; its dimensions are returned."""
+    entries = []
+    for quoted, plain, pre, size in _MESH_AXIS_RE.findall(text):
+        name = quoted or plain
+        entries.append((names.index(name), int(pre) if pre else None, int(size) if size else None))
+    splits = []
+    for i, n in enumerate(sizes):  # boundaries in "pre-size": 1 .. n
+        bounds = {1, n}
+        for axis, pre, size in entries:
+            if axis == i and pre is not None:
+                bounds |= {pre, pre * size}
+        bounds = sorted(bounds)
+        splits.append(bounds)
+    dims = [[b / a for a, b in zip(bounds, bounds[1:])] or [1] for bounds in splits]
+    dims = [[int(d) for d in ds] for ds in dims]
+    first = np.cumsum([0] + [len(ds) for ds in dims])
+    chosen = []
+    for axis, pre, size in entries:
+        bounds = splits[axis]
+        if pre is None:
+            chosen += list(range(first[axis], first[axis] + len(dims[axis])))
+        else:
+            lo, hi = bounds.index(pre), bounds.index(pre * size)
+            chosen += [first[axis] + j for j in range(lo, hi)]
+    return [int(c) for c in chosen], dims
 
 
 def _device_ids(text, total):

@@ -140,3 +140,24 @@ def test_mesh_groups_over_redcoasts_grouped_axis_names():
     assert _classify(both, {"dp": 2, "mp": 4}, "all-reduce") == "mp"
     assert _parse_groups(line("GROUPS", "'mp:2/within'")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert _parse_groups(line("GROUPS", "'mp:2'")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_mesh_groups_over_shardys_sub_axes():
+    # jax 0.11 and 0.12 print a collective over part of a mesh axis as a Shardy sub-axis,
+    # 'mp':(2)2 = of 'mp' (4 = 2 x 2, major first) the factor of size 2 after one of size 2
+    # (seen on a GQA Llama, 2 KV heads on 4 model shards; it stopped the layout choice with a
+    # ValueError before this was parsed)
+    from redcoast.comms import _classify, _parse_groups
+    line = ("%all-reduce.39 = (f32[2,16,1,8]{3,2,1,0}, f32[2,16,1,8]{3,2,1,0}) all-reduce("
+            "%a, %b), channel_id=14, replica_groups=mesh['dp'=2,'mp'=4] {GROUPS}, "
+            "use_global_device_ids=true, to_apply=%region_23.24.clone").replace
+    minor = _parse_groups(line("GROUPS", "'mp':(2)2"))
+    assert minor == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _classify(minor, {"dp": 2, "mp": 4}, "all-reduce") == "mp"
+    assert _parse_groups(line("GROUPS", "'mp':(1)2")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _parse_groups(line("GROUPS", "'mp'")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sorted(map(sorted, _parse_groups(line("GROUPS", "'dp', 'mp':(2)2")))) == \
+        [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # an 8-wide axis in three factors: the middle one
+    wide = line("GROUPS", "'mp':(2)2").replace("'dp'=2,'mp'=4", "'dp'=1,'mp'=8")
+    assert _parse_groups(wide) == [[0, 2], [1, 3], [4, 6], [5, 7]]
