@@ -116,7 +116,8 @@ def _train(cfg, deployer, record):
         loss = trainer.eval_loss(eval_examples, eval_batch)
         deployer.log_info(f"eval loss before training: {loss:.4f}")
         deployer.log_metrics({"eval_loss_at_start": loss}, 0)
-    fit(trainer, train_examples, eval_examples, cfg, {RECORD: record})
+    trainer.fit(train_examples, eval_examples=eval_examples, checkpoint_files={RECORD: record},
+                **cfg.fit_kwargs())
     if cfg.export:
         from .models import save_pretrained
         params = (trainer.params if lora is None else
@@ -125,13 +126,6 @@ def _train(cfg, deployer, record):
         deployer.log_info(f"the trained model is in {cfg.export} (a Hugging Face folder"
                           + (", LoRA merged in)" if lora else ")"))
     return trainer
-
-
-def fit(trainer, train_examples, eval_examples, cfg, files):
-    """``trainer.fit`` as the record says, ``files`` kept in every checkpoint."""
-    kwargs = cfg.fit_kwargs()
-    kwargs["checkpoint_files"] = files
-    trainer.fit(train_examples, eval_examples=eval_examples, **kwargs)
 
 
 def load_model(model_cfg, deployer):
