@@ -1,0 +1,148 @@
+"""How close is a plan to the device it is for? One model trained on this machine's accelerator,
+beside the plan ``redcoast plan`` makes for it without the accelerator.
+
+    python benchmarks/plan_vs_device.py CONFIG --seq-len 1024 --per-device-batch-size 4 \\
+        [--cpu-plan plan.json]
+
+For one device, fp32 parameters and AdamW (the plan's defaults), three peaks per device:
+
+- the plan's: XLA:CPU's buffer assignment standing in for the target's compiler (``--cpu-plan``,
+  a ``redcoast plan --devices 1 --json`` record made anywhere, else planned here in a subprocess
+  on the CPU);
+- this device's compiler's: ``memory_analysis()`` of the same Trainer's step compiled here;
+- the allocator's: ``peak_bytes_in_use`` after real training steps on real parameters.
+
+Then the Trainer's memory check before the first step (``step_meter.require_fits``) is given a
+batch 16 times larger, too large for the device: how long until it stops, and with what message.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("config", help="a Hugging Face config.json")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--per-device-batch-size", type=int, default=1)
+    p.add_argument("--cpu-plan", help="the plan's record (redcoast plan --devices 1 --json)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", help="also write the figures here")
+    return p.parse_args()
+
+
+def gib(n):
+    return f"{n / 2**30:.2f} GiB"
+
+
+def cpu_plan(args, device_memory):
+    if args.cpu_plan:
+        with open(args.cpu_plan) as f:
+            return json.load(f)
+    from redcoast.plan import plan
+    import dataclasses
+    return dataclasses.asdict(plan(args.config, devices=1, device_memory=device_memory,
+                                   seq_len=args.seq_len, remat=False,
+                                   per_device_batch_size=args.per_device_batch_size))
+
+
+def main():
+    args = parse()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from redcoast import Deployer, Trainer
+    from redcoast.errors import ConfigError
+    from redcoast.models.pretrained import model_from_config
+    from redcoast.plan import _loss_for
+
+    device = jax.devices()[0]
+    deployer = Deployer(jax_seed=0, n_model_shards=1, verbose=False)
+    budget = deployer.device_memory_budget()
+    print(f"{device.device_kind}, jax {jax.__version__}, device memory {gib(budget)}")
+    planned = cpu_plan(args, budget)
+
+    model, abstract = model_from_config(args.config)
+    model_type = json.load(open(args.config))["model_type"]
+    # constant weights: memory does not depend on the values, and the model's own random
+    # initialiser compiled for 142 s on an H100 for TinyLlama-1.1B (Model.init, jax 0.11.2)
+    params = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, 0.01, a.dtype), abstract)
+    vocab = model.config.vocab_size
+
+    def collate(rows):
+        ids = np.stack([r["ids"] for r in rows])
+        return {"ids": ids, "mask": np.ones_like(ids[:, :-1]), "labels": ids}
+
+    trainer = Trainer(deployer, collate, model.apply, _loss_for(model, model_type), params,
+                      optax.adamw(1e-5), fsdp=True, fuse_matmuls=True)
+    n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+    del params  # the Trainer holds the state; a copy kept here would count in the allocator's peak
+    rows = args.per_device_batch_size
+    ids = jax.ShapeDtypeStruct((rows, args.seq_len + 1), jnp.int32)
+    abstract_batch = {"ids": ids, "mask": jax.ShapeDtypeStruct((rows, args.seq_len), jnp.int32),
+                      "labels": ids}
+    t0 = time.perf_counter()
+    m = trainer.compile_train_step(abstract_batch).memory_analysis()
+    compile_s = time.perf_counter() - t0
+    compiler_peak = int(m.argument_size_in_bytes + m.output_size_in_bytes
+                        - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+    if compiler_peak > budget:
+        print(f"this device's compiler needs {gib(compiler_peak)} of {gib(budget)}: "
+              f"not run (the XLA:CPU plan said {gib(planned['per_device_peak_bytes'])})")
+        return
+    rng = np.random.default_rng(0)
+    examples = [{"ids": row} for row in
+                rng.integers(0, vocab, (rows * args.steps, args.seq_len + 1)).astype(np.int32)]
+    t0 = time.perf_counter()
+    trainer.train(examples, rows, shuffle=False)
+    jax.block_until_ready(trainer.params)
+    train_s = time.perf_counter() - t0
+    stats = device.memory_stats() or {}
+    measured = int(stats.get("peak_bytes_in_use", 0))
+
+    figures = {
+        "config": os.path.basename(args.config), "device": device.device_kind,
+        "jax": jax.__version__, "seq_len": args.seq_len, "per_device_batch_size": rows,
+        "n_params": n_params,
+        "plan_cpu_peak_bytes": planned["per_device_peak_bytes"],
+        "plan_cpu_compiler": planned["compiler"],
+        "device_compiler_peak_bytes": compiler_peak,
+        "device_compiler_temp_bytes": int(m.temp_size_in_bytes),
+        "allocator_peak_bytes": measured, "device_compile_s": compile_s,
+        "train_s": train_s, "steps": args.steps}
+    print(f"{figures['config']}: {figures['n_params'] / 1e9:.2f} B params, seq {args.seq_len}, "
+          f"batch {rows}, fp32 AdamW, one {device.device_kind}")
+    print(f"  plan (XLA:CPU stand-in)    {gib(figures['plan_cpu_peak_bytes']):>12}"
+          f"  {figures['plan_cpu_peak_bytes'] / max(measured, 1):.3f}x measured")
+    print(f"  this device's compiler     {gib(compiler_peak):>12}"
+          f"  {compiler_peak / max(measured, 1):.3f}x measured   (compiled in {compile_s:.0f} s)")
+    print(f"  allocator peak, {args.steps} steps   {gib(measured):>12}")
+
+    # the check before the first step, on a batch that cannot fit
+    big = rows * 16
+    examples = [{"ids": row} for row in
+                rng.integers(0, vocab, (big, args.seq_len + 1)).astype(np.int32)]
+    t0 = time.perf_counter()
+    try:
+        trainer.train(examples, big, shuffle=False)
+        figures["too_large_batch"] = "trained: the check did not stop it"
+    except ConfigError as e:
+        figures["too_large_batch"] = str(e)
+    figures["too_large_batch_s"] = time.perf_counter() - t0
+    print(f"batch {big} per device: stopped after {figures['too_large_batch_s']:.1f} s:\n"
+          f"{figures['too_large_batch']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
