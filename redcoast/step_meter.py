@@ -7,9 +7,11 @@ import time
 
 import jax
 
+from .flops import traced_flops
 from .host import to_host
 from .memory_check import StepMemory, require_fits
-from .throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
+from .sharding.context import tracing_for
+from .throughput import StepCost, peak_flops, tokens_per_example
 
 
 class LogWindow:
@@ -53,6 +55,18 @@ class StepMeter:
     def _compiled(self, state, batch, key):
         return self.layout.train_step.lower(state, batch, key).compile()
 
+    def _model_flops(self, state, batch, key):
+        """The step's matrix-product and convolution FLOPs over the mesh's devices, from its
+        trace (flops.py; XLA's cost analysis misses cuBLAS's matmuls on GPUs). Traced with
+        XLA's attention, not a vendor kernel, so that attention counts at full length as in
+        PaLM's formula."""
+        abstract = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
+            (state, batch, key))
+        with tracing_for(self.layout.n_model_shards, vendor_kernels=False):
+            flops = traced_flops(self.layout.train_step.__wrapped__, *abstract)
+        return flops / self.layout.mesh.size if flops > 0 else None
+
     def cost(self, state, batch, key) -> StepCost:
         """What one update of batches shaped like ``batch`` processes and costs."""
         leaves = jax.tree_util.tree_leaves(batch)
@@ -67,7 +81,7 @@ class StepMeter:
         device = self.layout.mesh.devices.flat[0]
         cost = StepCost(examples=examples,
                         tokens=None if per_example is None else per_example * examples,
-                        flops_per_device=compiled_flops(self._compiled(state, batch, key)),
+                        flops_per_device=self._model_flops(state, batch, key),
                         peak_flops=peak_flops(device, self.compute_dtype))
         why_not = cost.mfu_unknown_reason(device, self.compute_dtype)
         if why_not and not self._costs:  # said once

@@ -3,10 +3,13 @@
 Everything here reads shapes, compiled programs and device names only: nothing waits for the
 device, so logging throughput adds no host synchronisation to the training loop.
 
-MFU here is XLA's count of the FLOPs the compiled step executes on one device (its cost
-analysis, after partitioning) over the time of one step and the device's peak. With
-rematerialisation the recomputed forward counts too (what PaLM calls hardware FLOPs
-utilisation); without it, it is the model FLOPs utilisation.
+MFU here is the training step's matrix-product and convolution FLOPs, counted in its trace
+(redcoast/flops.py: PaLM's 6N + 12·L·s·h per token, exactly, for a transformer) and spread over
+the mesh's devices, over the time of one step and one device's peak. Work that devices repeat
+(a replicated computation) counts once. With rematerialisation the recomputed forward counts
+too (what PaLM calls hardware FLOPs utilisation); without it, it is the model FLOPs
+utilisation. XLA's cost analysis of the compiled program (:func:`compiled_flops`) is not used:
+on GPUs it misses the matrix products handed to cuBLAS.
 """
 
 import dataclasses
@@ -76,7 +79,7 @@ class StepCost:
 
     examples: int                     # per update, all micro-batches
     tokens: int | None                # per update, or None when the batch has no sequence axis
-    flops_per_device: float | None    # XLA's count for one update
+    flops_per_device: float | None    # the step's model FLOPs over the devices, one update
     peak_flops: float | None          # of one device, for the compute dtype
 
     def rates(self, steps, seconds):
