@@ -29,6 +29,9 @@ EXAMPLES = {
     "ppo": ("PPO (CartPole-v1)", "reinforcement_learning/ppo_*", 82 + 63 + 170),
     "ddpg": ("DDPG (Pendulum-v1)", "reinforcement_learning/ddpg_*", 85 + 94 + 159),
     "dp_sgd": ("DP-SGD (per-example clipping, RDP accountant)", "differential_private_training", 126 + 88),
+    # post-training: redco has no such example (None); the README gives TRL's scripts' lengths
+    "sft": ("SFT on chat data, padded vs packed", None, None),
+    "dpo": ("DPO / SimPO, frozen reference", None, None),
 }
 
 
@@ -48,7 +51,7 @@ def main(argv):
         paradigm, redco_name, redco_lines = EXAMPLES[name]
         lines = sum(1 for _ in open(ROOT / "examples" / name / "main.py"))
         metrics, seconds = run_example(name, tiny=not full, check_layout=False)
-        print(f"| `{name}` | {paradigm} | {lines} / {redco_lines} | {_format(metrics)} | "
+        print(f"| `{name}` | {paradigm} | {lines} / {redco_lines or '-'} | {_format(metrics)} | "
               f"{seconds:.0f} s |", flush=True)
 
 

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # planning, a run as a file, simulated devices, the per-user cache
 PUBLIC = [
     "redcoast", "redcoast.trainer", "redcoast.deployer", "redcoast.predictor", "redcoast.models",
-    "redcoast.data", "redcoast.packing", "redcoast.plan", "redcoast.run_config",
+    "redcoast.data", "redcoast.packing", "redcoast.chat_data", "redcoast.logprobs",
+    "redcoast.plan", "redcoast.run_config",
     "redcoast.simulate", "redcoast.errors", "redcoast.progress", "redcoast.lora",
     "redcoast.export", "redcoast.sharding", "redcoast.user_cache",
 ]

