@@ -10,6 +10,7 @@ import pytest
 from redcoast.errors import ConfigError, DataError
 from redcoast.models import Model, llama
 from redcoast.models.layers import segment_positions
+from redcoast.models.pretrained import model_from_config
 from redcoast.packing import pack_sequences, packed_fraction
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20, 21], [22],
@@ -55,8 +56,28 @@ def tiny_llama():
     return model, model.init(0)
 
 
-def test_packed_sequences_give_each_ones_own_logits(tiny_llama):
-    model, params = tiny_llama
+# the other decoder families, from Hugging Face configs (weights large enough to tell apart)
+DECODERS = {
+    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 32,
+             "n_positions": 32, "initializer_range": 0.2},
+    "opt": {"model_type": "opt", "hidden_size": 32, "word_embed_proj_dim": 32, "ffn_dim": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 32,
+            "max_position_embeddings": 32, "init_std": 0.2},
+    "gptj": {"model_type": "gptj", "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4,
+             "vocab_size": 32, "n_positions": 32, "initializer_range": 0.2},
+}
+
+
+@pytest.fixture(scope="module", params=["llama", *DECODERS])
+def decoder(request, tiny_llama):
+    if request.param == "llama":
+        return tiny_llama
+    model, _ = model_from_config(DECODERS[request.param])
+    return model, model.init(0)
+
+
+def test_packed_sequences_give_each_ones_own_logits(decoder):
+    model, params = decoder
     rows = pack_sequences(SEQUENCES, seq_len=8)
     batch = {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
     packed = jax.jit(lambda p, ids, seg: model.apply(p, ids, segment_ids=seg))(

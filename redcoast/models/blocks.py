@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import ConfigError
-from .layers import attend, attention_mask, write_cache
+from .layers import attend, attention_mask, segment_positions, write_cache
 
 
 def dense(n_in, n_out, *, bias=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs, std=0.02):
@@ -48,14 +48,31 @@ def check_length(max_length, n_positions, family):
                           "shorten the prompt or max_new_tokens.")
 
 
-def decoder_inputs(input_ids, attention_mask, positions, cache, cache_index):
+def packed_rows(segment_ids, attention_mask, positions, cache):
+    """``(attention_mask, positions)`` of rows of packed sequences
+    (:func:`redcoast.packing.pack_sequences`): real where ``segment_ids`` is not 0, positions
+    counted within each segment unless given. They replace an attention mask and take no
+    cache."""
+    if cache is not None or attention_mask is not None:
+        raise ConfigError("segment_ids (packed sequences) replace attention_mask and do not go "
+                          "with a cache. Fix: pass segment_ids alone for training on packed "
+                          "rows; decode one sequence per row.")
+    if positions is None:
+        positions = segment_positions(segment_ids)
+    return (segment_ids != 0).astype(jnp.int32), positions
+
+
+def decoder_inputs(input_ids, attention_mask, positions, cache, cache_index, segment_ids=None):
     """``(positions [B, T], key_valid [B, S], query_slots [T])`` for a decoder-only call.
 
     Without a cache: ``attention_mask [B, T]`` (1 real, 0 padding; default all real) and
-    positions counting the real tokens before each one (left padding works). With one:
-    ``attention_mask [B, S_max]`` marks the slots that hold (or now receive) real tokens,
-    ``positions`` and ``cache_index`` (the slot of ``input_ids[:, 0]``) are required."""
+    positions counting the real tokens before each one (left padding works), or
+    ``segment_ids`` of packed rows (:func:`packed_rows`). With one: ``attention_mask
+    [B, S_max]`` marks the slots that hold (or now receive) real tokens, ``positions`` and
+    ``cache_index`` (the slot of ``input_ids[:, 0]``) are required."""
     b, t = input_ids.shape
+    if segment_ids is not None:
+        attention_mask, positions = packed_rows(segment_ids, attention_mask, positions, cache)
     if cache is not None:
         if positions is None or cache_index is None:
             raise ConfigError("decoding with a cache needs positions [B, T] and cache_index (the "
@@ -71,16 +88,19 @@ def decoder_inputs(input_ids, attention_mask, positions, cache, cache_index):
     return positions, attention_mask, jnp.arange(t)
 
 
-def cached_attention(q, k, v, key_valid, query_slots, cache=None, cache_index=None, scale=None):
+def cached_attention(q, k, v, key_valid, query_slots, cache=None, cache_index=None, scale=None,
+                     segment_ids=None):
     """Causal attention of ``q`` over ``k``/``v`` [B, T, heads, head_dim]; with ``cache``
     ({"k", "v"} [B, S, heads, head_dim]) this call's keys and values are written at slots
-    ``cache_index ...`` first and all slots are attended. -> ``(out [B, T, heads, head_dim],
-    new cache or None)``."""
+    ``cache_index ...`` first and all slots are attended; with ``segment_ids`` [B, T] (packed
+    rows, no cache) within each segment only. -> ``(out [B, T, heads, head_dim], new cache or
+    None)``."""
     if cache is not None:
         cache = {"k": write_cache(cache["k"], k, cache_index),
                  "v": write_cache(cache["v"], v, cache_index)}
         k, v = cache["k"], cache["v"]
-    mask = attention_mask(query_slots, jnp.arange(k.shape[1]), key_valid)
+    mask = attention_mask(query_slots, jnp.arange(k.shape[1]), key_valid,
+                          segment_ids=segment_ids)
     return attend(q, k, v, mask, scale=scale), cache
 
 

@@ -19,7 +19,8 @@ from jax import lax
 from ..errors import ConfigError
 from . import hf
 from .activations import activation
-from .layers import attend
+from .blocks import packed_rows
+from .layers import attend, attention_mask as slot_mask  # the argument's name is taken
 
 _NOT_IN_HF = ("dtype", "remat", "attention_implementation")  # run settings, not the model's
 
@@ -187,8 +188,11 @@ class Block(nnx.Module):
 
 
 class GPT2LMHeadModel(nnx.Module):
-    """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None)`` ->
-    logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache (see ``init_cache``).
+    """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None,
+    segment_ids=None)`` -> logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache
+    (see ``init_cache``). ``segment_ids`` [B, T]: rows of packed sequences
+    (:func:`redcoast.packing.pack_sequences`), each attending within itself, positions per
+    sequence.
 
     With ``add_cross_attention`` (the text decoder of a VisionEncoderDecoderModel) every block
     also attends to an encoder's output: pass ``cross_kv`` (from :meth:`cross_kv`) and
@@ -223,9 +227,13 @@ class GPT2LMHeadModel(nnx.Module):
                            for i, block in enumerate(self.h)}}
 
     def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
-                 cache_index=None, cross_kv=None, cross_mask=None):
+                 cache_index=None, cross_kv=None, cross_mask=None, segment_ids=None):
         b, t = input_ids.shape
-        if cache is None:
+        if segment_ids is not None:
+            key_valid, positions = packed_rows(segment_ids, attention_mask, positions, cache)
+            slots = jnp.arange(t)
+            mask = slot_mask(slots, slots, key_valid, segment_ids=segment_ids)
+        elif cache is None:
             mask = None  # causal, unpadded: the attention kernel masks itself
             if attention_mask is not None:
                 mask = (jnp.tril(jnp.ones((t, t), bool))[None, None]

@@ -83,13 +83,14 @@ class GPTJAttention(nnx.Module):
         self.v_proj = dense(c.n_embd, c.n_embd, **kw)
         self.out_proj = dense(c.n_embd, c.n_embd, **kw)
 
-    def __call__(self, x, cos, sin, key_valid, query_slots, cache=None, cache_index=None):
+    def __call__(self, x, cos, sin, key_valid, query_slots, cache=None, cache_index=None,
+                 segment_ids=None):
         c = self.config
         q = apply_rotary(split_heads(self.q_proj(x), c.n_head), cos, sin, interleaved=True)
         k = apply_rotary(split_heads(self.k_proj(x), c.n_head), cos, sin, interleaved=True)
         v = split_heads(self.v_proj(x), c.n_head)
         y, cache = cached_attention(q, k, v, key_valid, query_slots, cache, cache_index,
-                                    scale=c.head_dim ** -0.5)
+                                    scale=c.head_dim ** -0.5, segment_ids=segment_ids)
         return self.out_proj(merge_heads(y)), cache
 
 
@@ -115,16 +116,18 @@ class GPTJBlock(nnx.Module):
         self.attn = GPTJAttention(c, rngs=rngs, param_dtype=param_dtype)
         self.mlp = GPTJMLP(c, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, key_valid, query_slots, cache=None, cache_index=None):
+    def __call__(self, x, cos, sin, key_valid, query_slots, cache=None, cache_index=None,
+                 segment_ids=None):
         h = self.ln_1(x)
-        a, cache = self.attn(h, cos, sin, key_valid, query_slots, cache, cache_index)
+        a, cache = self.attn(h, cos, sin, key_valid, query_slots, cache, cache_index, segment_ids)
         return x + a + self.mlp(h), cache
 
 
 class GPTJForCausalLM(nnx.Module):
-    """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None)`` ->
-    logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache (see ``init_cache``
-    and :func:`redcoast.models.blocks.decoder_inputs` for the protocol)."""
+    """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None,
+    segment_ids=None)`` -> logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a
+    cache (see ``init_cache`` and :func:`redcoast.models.blocks.decoder_inputs` for the
+    protocol; ``segment_ids`` for packed rows)."""
 
     def __init__(self, config, *, rngs, param_dtype=jnp.float32):
         c = config
@@ -145,17 +148,18 @@ class GPTJForCausalLM(nnx.Module):
         return empty_kv_cache(c.n_layer, batch_size, max_length, c.n_head, c.head_dim, dtype)
 
     def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
-                 cache_index=None):
+                 cache_index=None, segment_ids=None):
         c = self.config
         positions, key_valid, query_slots = decoder_inputs(input_ids, attention_mask, positions,
-                                                           cache, cache_index)
+                                                           cache, cache_index, segment_ids)
         cos, sin = rotary_cos_sin(positions, c.rotary_dim or c.head_dim, ROPE_THETA)
         x = self.wte(input_ids)
         new_cache = {"layers": {}}
         for i, block in enumerate(self.h):
             layer_cache = None if cache is None else cache["layers"][str(i)]
             x, new_cache["layers"][str(i)] = run_layer(block, c.remat, x, cos, sin, key_valid,
-                                                       query_slots, layer_cache, cache_index)
+                                                       query_slots, layer_cache, cache_index,
+                                                       segment_ids)
         logits = self.lm_head(self.ln_f(x)).astype(jnp.float32)
         return logits if cache is None else (logits, new_cache)
 

@@ -26,8 +26,9 @@ from flax.core import FrozenDict
 
 from ..errors import ConfigError
 from . import hf
+from .blocks import packed_rows
 from .layers import (RMSNorm, apply_rotary, attend, attention_mask, rope_type, rotary_cos_sin,
-                     segment_positions, write_cache)
+                     write_cache)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
@@ -354,13 +355,7 @@ class LlamaForCausalLM(nnx.Module):
         c = self.config
         b, t = input_ids.shape
         if segment_ids is not None:
-            if cache is not None or attention_mask is not None:
-                raise ConfigError("segment_ids (packed sequences) replace attention_mask and do "
-                                  "not go with a cache. Fix: pass segment_ids alone for training "
-                                  "on packed rows; decode one sequence per row.")
-            attention_mask = (segment_ids != 0).astype(jnp.int32)
-            if positions is None:
-                positions = segment_positions(segment_ids)
+            attention_mask, positions = packed_rows(segment_ids, attention_mask, positions, cache)
         if cache is not None:
             if positions is None or cache_index is None:
                 raise ConfigError("decoding with a cache needs positions [B, T] and cache_index; "

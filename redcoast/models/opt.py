@@ -97,12 +97,12 @@ class OPTAttention(nnx.Module):
         self.v_proj = dense(c.hidden_size, c.hidden_size, **kw)
         self.out_proj = dense(c.hidden_size, c.hidden_size, **kw)
 
-    def __call__(self, x, key_valid, query_slots, cache=None, cache_index=None):
+    def __call__(self, x, key_valid, query_slots, cache=None, cache_index=None, segment_ids=None):
         c = self.config
         q, k, v = (split_heads(p(x), c.num_attention_heads)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         y, cache = cached_attention(q, k, v, key_valid, query_slots, cache, cache_index,
-                                    scale=c.head_dim ** -0.5)
+                                    scale=c.head_dim ** -0.5, segment_ids=segment_ids)
         return self.out_proj(merge_heads(y)), cache
 
 
@@ -122,10 +122,10 @@ class OPTDecoderLayer(nnx.Module):
         self.fc2 = dense(c.ffn_dim, c.hidden_size, **kw)
         self.final_layer_norm = layer_norm(c.hidden_size, **norm)
 
-    def __call__(self, x, key_valid, query_slots, cache=None, cache_index=None):
+    def __call__(self, x, key_valid, query_slots, cache=None, cache_index=None, segment_ids=None):
         pre = self.config.do_layer_norm_before
         h = self.self_attn_layer_norm(x) if pre else x
-        a, cache = self.self_attn(h, key_valid, query_slots, cache, cache_index)
+        a, cache = self.self_attn(h, key_valid, query_slots, cache, cache_index, segment_ids)
         x = x + a
         if not pre:
             x = self.self_attn_layer_norm(x)
@@ -135,9 +135,10 @@ class OPTDecoderLayer(nnx.Module):
 
 
 class OPTForCausalLM(nnx.Module):
-    """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None)`` ->
-    logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache (the protocol of
-    :func:`redcoast.models.blocks.decoder_inputs`)."""
+    """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None,
+    segment_ids=None)`` -> logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a
+    cache (the protocol of :func:`redcoast.models.blocks.decoder_inputs`; ``segment_ids`` for
+    packed rows)."""
 
     def __init__(self, config, *, rngs, param_dtype=jnp.float32):
         c = config
@@ -167,10 +168,10 @@ class OPTForCausalLM(nnx.Module):
                               c.num_attention_heads, c.head_dim, dtype)
 
     def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
-                 cache_index=None):
+                 cache_index=None, segment_ids=None):
         c = self.config
         positions, key_valid, query_slots = decoder_inputs(input_ids, attention_mask, positions,
-                                                           cache, cache_index)
+                                                           cache, cache_index, segment_ids)
         x = self.embed_tokens(input_ids)
         if c.projects:
             x = self.project_in(x)
@@ -179,7 +180,7 @@ class OPTForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache["layers"][str(i)]
             x, new_cache["layers"][str(i)] = run_layer(layer, c.remat, x, key_valid, query_slots,
-                                                       layer_cache, cache_index)
+                                                       layer_cache, cache_index, segment_ids)
         if c.final_norm:
             x = self.final_layer_norm(x)
         if c.projects:
