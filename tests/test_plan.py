@@ -61,17 +61,18 @@ def test_sizes_are_parsed():
 
 @pytest.mark.slow
 def test_a_table_1_row_through_the_cli(tmp_path):
-    """The paper's BART-Large row (2 x 1080Ti, 10 GB each, length 1024, fp32 AdamW)."""
+    """The paper's LLaMA-7B row (4 x A100, 40 GB each, length 1024, fp32 AdamW): the row that
+    plans fastest (22 s of compiling on 2 cores; BART-Large's took 2.6 minutes in CI)."""
     out = tmp_path / "plan.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(
         [sys.executable, "-m", "redcoast", "plan", os.path.join(ROOT, "benchmarks", "configs",
-         "bart-large.json"), "--devices", "2", "--device-memory", "10GB", "--seq-len", "1024",
+         "llama-7b.json"), "--devices", "4", "--device-memory", "40GB", "--seq-len", "1024",
          "--json", str(out)], capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "FITS" in done.stdout
     record = json.loads(out.read_text())
-    assert record["fits"] and record["n_params"] > 4e8
+    assert record["fits"] and record["n_params"] > 6e9
     assert record["per_device_peak_bytes"] >= record["params_bytes"] + record["optimizer_bytes"]
 
 

@@ -18,7 +18,8 @@ log-probabilities per token, less a target gap. With ``--lora R`` the policy is 
 plus low-rank adapters (the reference is then the base itself: no copy at all).
 
 Printed: the held-out preference accuracy (the share of unseen pairs whose chosen answer gets
-the larger implicit reward; ties count half, so it starts at 0.5 for DPO), before and after,
+the larger implicit reward; margins within 1e-3 are ties and count half, so it starts at 0.5
+for DPO), before and after,
 and a check that the reference came out of training bitwise unchanged. ``--tiny`` (CI) trains
 a small random Llama with SmolLM2's tokenizer and template instead of SmolLM2's weights.
 """
@@ -112,8 +113,10 @@ def make_loss_fn(algorithm, beta, gamma, lora):
             reward = beta * policy / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
             margin = reward[:n] - reward[n:] - gamma
         loss = -jnp.mean(jax.nn.log_sigmoid(margin))
-        won = reward[:n] - reward[n:]  # the implicit rewards' verdict, ties counted half
-        accuracy = jnp.mean((won > 0) + 0.5 * (won == 0))
+        # the implicit rewards' verdict; margins within rounding (1e-3) are ties, counted half,
+        # so that the untrained policy (the reference itself) scores 0.5 on any layout
+        won = reward[:n] - reward[n:]
+        accuracy = jnp.mean(jnp.where(jnp.abs(won) < 1e-3, 0.5, (won > 0).astype(jnp.float32)))
         return loss, {"accuracy": accuracy, "margin": jnp.mean(won)}
     return loss_fn
 
@@ -127,12 +130,15 @@ def main():
     parser.add_argument("--gamma", type=float, default=0.5, help="SimPO's target reward gap")
     parser.add_argument("--lora", type=int, default=0, help="adapter rank; 0: train every weight")
     parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="training pairs (default 256; --tiny 64)")
     parser.add_argument("--n-model-shards", type=int, default=2)
     parser.add_argument("--metrics-out", default=None)
     parser.add_argument("--check-layout", action="store_true",
                         help="check the layout against one device on the first batch")
     args = parser.parse_args()
     n_train, n_eval = (64, 32) if args.tiny else (256, 64)
+    n_train = args.pairs or n_train
     epochs = args.epochs or (3 if args.tiny else 1)
     beta = args.beta or (0.1 if args.algorithm == "dpo" else 2.0)
     lr = 1e-3 if args.tiny else (1e-4 if args.lora else 5e-6)

@@ -169,6 +169,7 @@ def main():
     print(f"packed / padded real tokens per second: {speedup:.2f}x; "
           f"{time.time() - start:.0f} s in all")
     metrics = {"eval_loss_before": before, "speedup": speedup, "seq_len": seq_len,
+               "rows_padded": len(padded), "rows_packed": len(packed),
                **{f"{k}_{name}": v for name, (loss, rate, steps) in runs.items()
                   for k, v in (("eval_loss", loss), ("tokens_per_s", rate), ("updates", steps))}}
     if args.metrics_out:
