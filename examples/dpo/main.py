@@ -19,8 +19,8 @@ plus low-rank adapters (the reference is then the base itself: no copy at all).
 
 Printed: the held-out preference accuracy (the share of unseen pairs whose chosen answer gets
 the larger implicit reward; margins within 1e-3 are ties and count half, so it starts at 0.5
-for DPO), before and after,
-and a check that the reference came out of training bitwise unchanged. ``--tiny`` (CI) trains
+for DPO), before and after, and a check that the reference came out of training bitwise
+unchanged. ``--tiny`` (CI) trains
 a small random Llama with SmolLM2's tokenizer and template instead of SmolLM2's weights.
 """
 
