@@ -100,5 +100,5 @@ class StepCost:
                     f"{getattr(device, 'device_kind', device.platform)!r} in "
                     f"{jnp.dtype(compute_dtype).name} (redcoast.throughput.PEAK_TFLOPS)")
         if self.flops_per_device is None:
-            return "this backend gives no cost analysis of the compiled step"
+            return "the step has no matrix product or convolution to count (redcoast/flops.py)"
         return None
