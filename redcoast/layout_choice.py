@@ -13,6 +13,7 @@ from .layout import Recipe, choose_layout
 from . import user_cache
 from .layout_memory import LayoutMemory
 from .sharding.dataflow import FALLBACK
+from .sharding.grouped_axes import entries as spec_entries, parse as parse_grouped
 from .workdir import is_url
 
 
@@ -38,7 +39,8 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
             "in the Trainer skip the comparison).")
     if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
         deployer.log_warning(f"sharding plan from {layout.source}")
-    if len(shard_counts) == 1 and layout.plan.nothing_to_split():  # said always: n x the work
+    if (len(shard_counts) == 1 and layout.plan.nothing_to_split()  # said always: n x the work
+            and not _frozen_split_over_model_shards(layout)):  # LoRA: the base is split
         deployer.log_warning(layout.plan.nothing_to_split() + ".")
     if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
         deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
@@ -93,3 +95,14 @@ def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> 
            "budget": deployer.device_memory_budget(),
            "own_train_step": recipe.train_step_fn is not None}
     return LayoutMemory.in_workdir(workdir, key, deployer.devices, cache_dir)
+
+
+def _frozen_split_over_model_shards(layout):
+    """Whether any of the frozen parameters (e.g. LoRA's base) is split over the model shards:
+    then the devices share that work even when the trained parameters split nothing."""
+    frozen = layout.state_shardings.frozen_params
+    if frozen is None:
+        return False
+    shardings = jax.tree_util.tree_leaves(frozen, is_leaf=lambda x: hasattr(x, "spec"))
+    return any(parse_grouped(name)[0] == "mp" for s in shardings
+               for name in spec_entries(getattr(s, "spec", ())))

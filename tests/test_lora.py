@@ -482,3 +482,14 @@ def test_peft_loads_our_adapters_and_we_load_peft_s(tmp_path):
     assert np.abs(ours - np.asarray(apply(base, jnp.asarray(ids)))).max() > 0.1
     print("PEFT -> ours: max |logits difference|", np.abs(theirs - ours).max())
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_adapters_over_a_base_split_over_the_model_shards_are_no_waste(capsys):
+    """The adapters may split nothing over the model shards; the frozen base they merge into
+    is split, so the devices share the work: no "nothing to split" warning."""
+    model, base = _model()
+    trainer = _lora_trainer(2, optax.sgd(0.1), base, LoRA(rank=2, alpha=4))
+    trainer.train(_examples(8), per_device_batch_size=2)
+    assert any("mp" in str(s.spec) for s in jax.tree_util.tree_leaves(
+        jax.tree_util.tree_map(lambda x: x.sharding, trainer.frozen_params)))
+    assert "nothing to split" not in capsys.readouterr().err
