@@ -88,13 +88,10 @@ def jaxpr_flops(jaxpr):
             total += max(jaxpr_flops(b) for b in eqn.params["branches"])
         elif name == "scan":
             total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"])
-        elif name == "while":
-            total += jaxpr_flops(eqn.params["body_jaxpr"]) + jaxpr_flops(eqn.params["cond_jaxpr"])
         elif name == "shard_map":
             total += _shard_map_devices(eqn.params) * jaxpr_flops(eqn.params["jaxpr"])
-        elif name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
-            total += jaxpr_flops(eqn.params.get("call_jaxpr") or eqn.params["fun_jaxpr"])
-        else:  # jit, remat, closed calls...: every sub-program they hold runs once
+        else:  # jit, remat, custom derivatives (their primal program: the rules are callables),
+            # while (body and condition once), ...: every sub-program they hold runs once
             for value in eqn.params.values():
                 values = value if isinstance(value, (tuple, list)) else (value,)
                 for v in values:

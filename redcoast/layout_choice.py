@@ -13,7 +13,7 @@ from .layout import Recipe, choose_layout
 from . import user_cache
 from .layout_memory import LayoutMemory
 from .sharding.dataflow import FALLBACK
-from .sharding.grouped_axes import entries as spec_entries, parse as parse_grouped
+from .sharding.plan import splits_over_model_shards
 from .workdir import is_url
 
 
@@ -103,6 +103,4 @@ def _frozen_split_over_model_shards(layout):
     frozen = layout.state_shardings.frozen_params
     if frozen is None:
         return False
-    shardings = jax.tree_util.tree_leaves(frozen, is_leaf=lambda x: hasattr(x, "spec"))
-    return any(parse_grouped(name)[0] == "mp" for s in shardings
-               for name in spec_entries(getattr(s, "spec", ())))
+    return splits_over_model_shards([s.spec for s in jax.tree_util.tree_leaves(frozen)])

@@ -60,11 +60,8 @@ class StepMeter:
         trace (flops.py; XLA's cost analysis misses cuBLAS's matmuls on GPUs). Traced with
         XLA's attention, not a vendor kernel, so that attention counts at full length as in
         PaLM's formula."""
-        abstract = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
-            (state, batch, key))
         with tracing_for(self.layout.n_model_shards, vendor_kernels=False):
-            flops = traced_flops(self.layout.train_step.__wrapped__, *abstract)
+            flops = traced_flops(self.layout.train_step.__wrapped__, state, batch, key)
         return flops / self.layout.mesh.size if flops > 0 else None
 
     def cost(self, state, batch, key) -> StepCost:

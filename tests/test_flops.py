@@ -56,6 +56,15 @@ def test_loops_branches_and_rematerialisation():
     assert traced_flops(branches, a) == 2 * one  # the costlier branch
     recomputed = jax.grad(lambda a: jax.checkpoint(lambda a: jnp.sin(a @ a))(a).sum())
     assert traced_flops(recomputed, a) == 4 * one  # forward, recomputed forward, two in backward
+    looped = lambda a: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ a, c[1] + 1),
+                                          (a, 0))[0]
+    assert traced_flops(looped, a) == one  # the trip count is not in the program: once
+
+    @jax.custom_vjp
+    def square(a):
+        return a @ a
+    square.defvjp(lambda a: (a @ a, a), lambda a, g: (g @ a.T + a.T @ g,))
+    assert traced_flops(square, a) == one  # the primal program
 
 
 def test_a_shard_map_body_counts_on_every_device_it_runs_on():

@@ -92,10 +92,11 @@ def loss_fn(rng, state, params, batch, is_training):
 
 def train(name, deployer, model, params, rows, eval_rows, per_device_batch_size, epochs, lr,
           check_layout):
-    """One run from ``params``: ``(held-out loss, real tokens trained per second, updates)``.
-    The first update compiles and is not timed."""
+    """One run from ``params``: ``(held-out loss before, after, real tokens trained per
+    second, updates)``. The first update compiles and is not timed."""
     trainer = Trainer(deployer, collate, model.apply, loss_fn, params,
                       optax.adamw(lr, weight_decay=0.0))
+    before = trainer.eval_loss(eval_rows, 2)
     per_update = deployer.global_batch_size(per_device_batch_size)
     real = lambda rs: int(sum((r["segment_ids"] != 0).sum() for r in rs))  # noqa: E731
     if check_layout:
@@ -112,8 +113,8 @@ def train(name, deployer, model, params, rows, eval_rows, per_device_batch_size,
     loss = trainer.eval_loss(eval_rows, 2)
     print(f"{name:>6}: {len(rows)} rows of {rows[0]['input_ids'].size} tokens, "
           f"{100 * packed_fraction(rows):.0f}% real, {per_update} per update; {trainer.step} updates, "
-          f"{tokens / seconds:,.0f} real tokens/s; held-out loss {loss:.3f}")
-    return loss, tokens / seconds, trainer.step
+          f"{tokens / seconds:,.0f} real tokens/s; held-out loss {before:.3f} -> {loss:.3f}")
+    return before, loss, tokens / seconds, trainer.step
 
 
 def main():
@@ -155,9 +156,6 @@ def main():
           f"tokens, {sum(sum(s['loss_mask']) for s in sequences[:n_train]):,} of them the "
           f"assistant's) in rows of {seq_len} tokens: {len(padded)} padded, {len(packed)} packed")
 
-    before = Trainer(deployer, collate, model.apply, loss_fn, params,
-                     optax.sgd(0.0)).eval_loss(eval_rows, 2)
-    print(f"held-out loss before training: {before:.3f}")
     # the same conversations per update (as near as whole rows allow), so both runs take the
     # same number of updates over the same data: packing changes the cost, not the training
     per_device = {"packed": per_device_batch_size,
@@ -165,12 +163,13 @@ def main():
     runs = {name: train(name, deployer, model, params, rows, eval_rows, per_device[name],
                         epochs, lr, args.check_layout)
             for name, rows in (("padded", padded), ("packed", packed))}
-    speedup = runs["packed"][1] / runs["padded"][1]
+    before = runs["padded"][0]  # the same weights and rows for both
+    speedup = runs["packed"][2] / runs["padded"][2]
     print(f"packed / padded real tokens per second: {speedup:.2f}x; "
           f"{time.time() - start:.0f} s in all")
     metrics = {"eval_loss_before": before, "speedup": speedup, "seq_len": seq_len,
                "rows_padded": len(padded), "rows_packed": len(packed),
-               **{f"{k}_{name}": v for name, (loss, rate, steps) in runs.items()
+               **{f"{k}_{name}": v for name, (_, loss, rate, steps) in runs.items()
                   for k, v in (("eval_loss", loss), ("tokens_per_s", rate), ("updates", steps))}}
     if args.metrics_out:
         with open(args.metrics_out, "w") as f:

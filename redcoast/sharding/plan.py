@@ -20,6 +20,12 @@ from .rules import (Placement, check_rules_format, check_spec_fits, expand_subtr
                     format_plan, format_rules, generalize_rules, rule_matches)
 
 
+def splits_over_model_shards(specs):
+    """Whether any of ``specs`` (PartitionSpecs) splits a tensor over the model shards ('mp',
+    or groups of them)."""
+    return any(parse_grouped(name)[0] == "mp" for spec in specs for name in spec_entries(spec))
+
+
 class ShardingPlan:
     """Where every parameter (and optimizer-state leaf) of a model lives on the mesh."""
 
@@ -79,8 +85,7 @@ class ShardingPlan:
         of them); with one model shard, True (nothing to decide)."""
         if self.axis_sizes.get("mp", 1) == 1:
             return True
-        return any(parse_grouped(name)[0] == "mp" for pl in self.compute_placements
-                   for name in spec_entries(pl.spec))
+        return splits_over_model_shards([pl.spec for pl in self.compute_placements])
 
     def nothing_to_split(self):
         """What to say of a plan that splits nothing over several model shards, else None."""
