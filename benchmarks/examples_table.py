@@ -32,6 +32,7 @@ EXAMPLES = {
     # post-training: redco has no such example (None); the README gives TRL's scripts' lengths
     "sft": ("SFT on chat data, padded vs packed", None, None),
     "dpo": ("DPO / SimPO, frozen reference", None, None),
+    "grpo": ("GRPO, verifiable reward, sharded sampling", None, None),
 }
 
 

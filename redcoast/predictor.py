@@ -26,7 +26,6 @@ class Predictor:
         self.pred_fn = pred_fn
         self.output_fn = output_fn
         self.params_sharding_rules = params_sharding_rules
-        self._rng = deployer.gen_rng()
         self._compiled = {}  # the params' structure, shapes, dtypes and shardings -> compiled step
 
     def _placement(self, params):
@@ -66,21 +65,26 @@ class Predictor:
             self._compiled[key] = (mesh, shardings, jitted)
         return self._compiled[key]
 
-    def predict(self, examples, per_device_batch_size, params, desc=None):
+    def predict(self, examples, per_device_batch_size, params, desc=None, rng=None):
         """A list with exactly one output per example, in the order of ``examples`` (a
-        sequence, or any iterable such as a generator, read into a list first)."""
+        sequence, or any iterable such as a generator, read into a list first).
+
+        ``pred_fn``'s key for each batch is folded from ``rng``; without one, from a fresh key
+        drawn from the deployer on each call (as redco draws one per batch), so that sampling
+        twice gives two samples; the same ``rng`` gives the same predictions."""
         if not is_sequence(examples):  # a generator has no len(): the outputs are a list anyway
             examples = list(examples)
         validate.tree_keys("params", params)
         mesh, shardings, step = self._step_for(params)
         params = jax.device_put(params, shardings)
+        rng = self.deployer.gen_rng() if rng is None else rng
         global_batch = per_device_batch_size * mesh.shape["dp"]
         maker = BatchMaker(mesh, self.collate_fn, global_batch)
         batches = prefetch((maker.make(examples, idx), n_real)
                            for idx, n_real in padded_batches(len(examples), global_batch))
         results, in_flight = [], None
         for index, (batch, n_real) in enumerate(batches):
-            out = step(params, batch, self._rng, jnp.int32(index))
+            out = step(params, batch, rng, jnp.int32(index))
             heartbeat()  # redcoast launch's watchdog: this process makes progress
             _check_outputs(out, global_batch)  # shapes only: before waiting for any result
             if in_flight is not None:  # collect the previous batch while this one computes

@@ -10,7 +10,7 @@ import pytest
 
 from redcoast.errors import ConfigError
 from redcoast.models import Model, llama
-from redcoast.models.generate import cut_at_stop_strings, generate
+from redcoast.models.generate import cut_at_stop_strings, generate, split_completions
 from test_generate import (IDS, MASK, PAD, TINY, free_greedy, hf_generate,  # noqa: F401 (fixtures)
                            needs_torch, tiny)
 
@@ -150,6 +150,21 @@ def test_stop_strings_cut_each_row_after_the_token_that_completes_them(tiny, fre
     np.testing.assert_array_equal(tokens[2, :first], free_greedy[2, :first])
     cut = cut_at_stop_strings(free_greedy, Letters(), [stop], PAD)
     np.testing.assert_array_equal(tokens, cut)
+
+
+def test_split_completions_keep_each_row_up_to_its_first_eos(tiny):
+    # sampled rows of a random model (some stop, some run to the end), cut as an RL step needs
+    import jax
+    _, model, params = tiny
+    tokens = np.asarray(generate(model, params, IDS, MASK, max_new_tokens=8, do_sample=True,
+                                 temperature=2.0, top_k=0, eos_token_id=[2, 7], pad_token_id=PAD,
+                                 rng=jax.random.key(0)))
+    for row, completion in zip(tokens, split_completions(tokens, [2, 7])):
+        stops = [k for k, t in enumerate(row) if t in (2, 7)]
+        end = stops[0] + 1 if stops else len(row)
+        assert completion == row[:end].tolist()
+        assert all(t == PAD for t in row[end:])
+    assert split_completions(np.array([[5, 2, 2, 2], [5, 6, 7, 8]]), 2) == [[5, 2], [5, 6, 7, 8]]
 
 
 def test_option_errors_name_the_fix(tiny):

@@ -38,6 +38,22 @@ def test_output_fn_gets_host_batches(deployer):
     assert outputs == ["-".join(map(str, e["ids"][:3])) for e in examples]
 
 
+def test_sampling_is_fresh_on_each_call_and_repeats_with_the_same_rng(deployer):
+    # as redco draws a key per batch: sampling twice gives two samples (GRPO's rollouts, several
+    # completions per prompt); a key given by the caller gives the same predictions again
+    import jax
+    model, params = make_model()
+    examples = make_examples(6)
+    predictor = Predictor(deployer, collate_fn,
+                          lambda rng, p, b: jax.random.randint(rng, b["ids"].shape, 0, 1 << 30))
+    first, second = (np.stack(predictor.predict(examples, 1, params)) for _ in range(2))
+    assert not np.array_equal(first, second)
+    key = jax.random.key(3)
+    again = [np.stack(predictor.predict(examples, 1, params, rng=key)) for _ in range(2)]
+    np.testing.assert_array_equal(*again)
+    assert len({row.tobytes() for row in first}) == len(examples)  # each batch row its own key
+
+
 def test_generation_with_trained_params_via_trainer(deployer):
     import optax
     from redcoast import Trainer

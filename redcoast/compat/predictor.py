@@ -16,11 +16,11 @@ class Predictor(core.Predictor):
                          params_sharding_rules=params_sharding_rules)
 
     def predict(self, examples, per_device_batch_size, params, params_replicated=False,
-                params_sharded=False, desc=None):
+                params_sharded=False, desc=None, rng=None):
         """As redcoast's; redco's ``params_replicated``/``params_sharded`` change nothing
         (redcoast places the parameters itself)."""
         del params_replicated, params_sharded
-        return super().predict(examples, per_device_batch_size, params, desc=desc)
+        return super().predict(examples, per_device_batch_size, params, desc=desc, rng=rng)
 
     @property
     def mesh(self):

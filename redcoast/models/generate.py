@@ -420,6 +420,18 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     return cut_at_stop_strings(np.asarray(tokens), tokenizer, stop_strings, pad)
 
 
+def split_completions(tokens, eos_token_id):
+    """Each row of ``generate``'s output as a list of its new tokens, up to and including its
+    first ``eos_token_id`` (an int or a list; the whole row where none came): what a
+    reinforcement-learning step scores and trains on, without the padding after EOS."""
+    eos = np.atleast_1d(np.asarray(eos_token_id))
+    completions = []
+    for row in np.asarray(tokens):
+        ends = np.flatnonzero(np.isin(row, eos))
+        completions.append(row[:ends[0] + 1 if ends.size else len(row)].tolist())
+    return completions
+
+
 def cut_at_stop_strings(tokens, tokenizer, stop_strings, pad_token_id):
     """``tokens`` [B, N] (numpy) with each row cut after the first token whose text completes one
     of ``stop_strings`` (that token kept, the rest ``pad_token_id``), as transformers'

