@@ -152,19 +152,12 @@ def test_stop_strings_cut_each_row_after_the_token_that_completes_them(tiny, fre
     np.testing.assert_array_equal(tokens, cut)
 
 
-def test_split_completions_keep_each_row_up_to_its_first_eos(tiny):
-    # sampled rows of a random model (some stop, some run to the end), cut as an RL step needs
-    import jax
-    _, model, params = tiny
-    tokens = np.asarray(generate(model, params, IDS, MASK, max_new_tokens=8, do_sample=True,
-                                 temperature=2.0, top_k=0, eos_token_id=[2, 7], pad_token_id=PAD,
-                                 rng=jax.random.key(0)))
-    for row, completion in zip(tokens, split_completions(tokens, [2, 7])):
-        stops = [k for k, t in enumerate(row) if t in (2, 7)]
-        end = stops[0] + 1 if stops else len(row)
-        assert completion == row[:end].tolist()
-        assert all(t == PAD for t in row[end:])
-    assert split_completions(np.array([[5, 2, 2, 2], [5, 6, 7, 8]]), 2) == [[5, 2], [5, 6, 7, 8]]
+def test_split_completions_keep_each_row_up_to_its_first_eos():
+    # generate's rows (padded after their first EOS, here 2 or 7), cut as an RL step needs them:
+    # a row that never stopped is kept whole, a stop in the first slot is a completion too
+    rows = np.array([[5, 2, PAD, PAD], [5, 6, 7, 8], [7, PAD, PAD, PAD], [9, 9, 9, 2]])
+    assert split_completions(rows, [2, 7]) == [[5, 2], [5, 6, 7], [7], [9, 9, 9, 2]]
+    assert split_completions(rows, 2) == [[5, 2], [5, 6, 7, 8], [7, PAD, PAD, PAD], [9, 9, 9, 2]]
 
 
 def test_option_errors_name_the_fix(tiny):
