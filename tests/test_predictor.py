@@ -51,7 +51,6 @@ def test_sampling_is_fresh_on_each_call_and_repeats_with_the_same_rng(deployer):
     key = jax.random.key(3)
     again = [np.stack(predictor.predict(examples, 1, params, rng=key)) for _ in range(2)]
     np.testing.assert_array_equal(*again)
-    assert len({row.tobytes() for row in first}) == len(examples)  # each batch row its own key
 
 
 def test_generation_with_trained_params_via_trainer(deployer):
