@@ -60,6 +60,7 @@ class PlanRecord:
     compile_seconds: float
     compiler: str
     host_memory_bytes: int = 0   # this planning process's peak resident memory
+    scan_layers: bool = False    # the layers stacked and run by a scan (one traced layer)
     tried: list = dataclasses.field(default_factory=list)   # earlier attempts: (what, peak)
     suggestions: list = dataclasses.field(default_factory=list)
 
@@ -71,7 +72,8 @@ class PlanRecord:
                            f"{self.device_memory_bytes / 2**30:.1f} GiB each"),
                 ("run", f"seq {self.seq_len}, {self.per_device_batch_size} per data shard, "
                         f"{self.param_dtype} parameters, {self.optimizer}"
-                        + (", each layer rematerialised" if self.remat else "")),
+                        + (", each layer rematerialised" if self.remat else "")
+                        + (", layers scanned" if self.scan_layers else "")),
                 ("layout", self.layout),
                 ("parameters", gib(self.params_bytes)),
                 ("optimizer state", gib(self.optimizer_bytes)),
@@ -113,7 +115,7 @@ def _loss_for(model, model_type):
 
 
 def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
-             optimizer, model_shards, remat, target="cpu"):
+             optimizer, model_shards, remat, target="cpu", scan_layers=False):
     """Compile the step once, in this process: on its ``devices`` CPU devices, or for the
     compile-only devices of ``target``."""
     import jax
@@ -124,9 +126,13 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     from .models.pretrained import model_from_config
     from .trainer import Trainer
 
-    model, abstract = model_from_config(config, param_dtype=jnp.dtype(param_dtype),
-                                        config_overrides={"remat": True} if remat else None)
     model_type = json.load(open(_config_file(config))).get("model_type")
+    overrides = {"remat": True} if remat else {}
+    if scan_layers:
+        _check_scannable(model_type)
+        overrides["scan_layers"] = True
+    model, abstract = model_from_config(config, param_dtype=jnp.dtype(param_dtype),
+                                        config_overrides=overrides or None)
     optimizers = {"adamw": optax.adamw(1e-5), "sgd": optax.sgd(1e-5),
                   "adafactor": optax.adafactor(1e-5)}
     shards = devices // hosts if model_shards is None else model_shards
@@ -143,7 +149,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
         n_params=int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))),
         devices=devices, hosts=hosts, device_memory_bytes=device_memory, seq_len=seq_len,
         per_device_batch_size=per_device_batch_size, param_dtype=str(param_dtype),
-        optimizer=optimizer, remat=remat, layout="", params_bytes=0, optimizer_bytes=0,
+        optimizer=optimizer, remat=remat, scan_layers=scan_layers, layout="", params_bytes=0, optimizer_bytes=0,
         gradient_bytes=0, temporary_bytes=0, per_device_peak_bytes=0, fits=False,
         flops_per_device=0.0, compile_seconds=0.0, compiler="")
     _hold_state(record, trainer)  # as first placed (from the shapes, FSDP on): no compiling yet
@@ -212,6 +218,15 @@ def _target(target, devices, hosts):
         f"described by jax.experimental.topologies: {devices} TPU v4 chips, none of them here")
 
 
+def _check_scannable(model_type):
+    """A clear error when redcoast's model of ``model_type`` cannot run its layers by a scan."""
+    from .models.pretrained import family_of
+    if "scan_layers" not in {f.name for f in dataclasses.fields(family_of(model_type).Config)}:
+        raise PlanError(f"--scan-layers: redcoast's {model_type} model runs its layers unrolled "
+                        "(layers stacked for a scan: the Llama family). Fix: plan without "
+                        "--scan-layers.")
+
+
 def _hold_state(record, trainer):
     """The per-device bytes of the state the trainer's layout holds, into ``record``."""
     state = trainer.state
@@ -251,14 +266,16 @@ def _suggest(record):
 
 
 def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_size=1,
-         param_dtype="float32", optimizer="adamw", model_shards=None, remat=None, target="cpu"):
+         param_dtype="float32", optimizer="adamw", model_shards=None, remat=None, target="cpu",
+         scan_layers=False):
     """A :class:`PlanRecord` for training the model of ``config`` (a config.json or a folder)
     on ``devices`` devices of ``device_memory`` bytes (or a size like '40GiB'). ``model_shards``:
     default the devices of one host (tensor parallel within a host, FSDP across). ``remat``:
     None tries without, then with each layer rematerialised if the first does not fit.
     ``target``: "cpu" compiles for simulated CPU devices, standing in for the target's
     compiler; "tpu-v4" with the TPU compiler for a TPU v4 slice of ``devices`` chips (libtpu
-    installed; no TPU needed).
+    installed; no TPU needed). ``scan_layers``: the model's layers stacked and run by a scan,
+    so that the compiler sees one layer (Llama family; the run must use the same setting).
 
     For "cpu", runs in a fresh process when this one does not have ``devices`` CPU devices."""
     device_memory = parse_bytes(device_memory) if isinstance(device_memory, str) else int(device_memory)
@@ -266,12 +283,12 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
     # simulated CPU devices must be this process's own; a TPU slice's are described, any process
     if target == "cpu" and (jax.device_count() != devices or jax.devices()[0].platform != "cpu"):
         return _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
-                              param_dtype, optimizer, model_shards, remat, target)
+                              param_dtype, optimizer, model_shards, remat, target, scan_layers)
     args = (config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
             optimizer, model_shards)
-    record = _attempt(*args, remat=bool(remat), target=target)
+    record = _attempt(*args, remat=bool(remat), target=target, scan_layers=scan_layers)
     if not record.fits and remat is None and record.compile_seconds:  # remat frees temporaries
-        retry = _attempt(*args, remat=True, target=target)
+        retry = _attempt(*args, remat=True, target=target, scan_layers=scan_layers)
         retry.tried = [("without remat", record.per_device_peak_bytes)]
         record = retry
     if not record.fits:
@@ -281,7 +298,7 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
 
 
 def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
-                   param_dtype, optimizer, model_shards, remat, target):
+                   param_dtype, optimizer, model_shards, remat, target, scan_layers):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         command = [sys.executable, "-m", "redcoast", "plan", str(config), "--devices", str(devices),
@@ -293,6 +310,8 @@ def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_ba
             command += ["--model-shards", str(model_shards)]
         if remat is not None:
             command += ["--remat" if remat else "--no-remat"]
+        if scan_layers:
+            command += ["--scan-layers"]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env["JAX_PLATFORMS"] = "cpu"
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -319,6 +338,9 @@ def main(argv):
     parser.add_argument("--remat", action="store_true", default=None,
                         help="each layer rematerialised (default: tried if the step does not fit)")
     parser.add_argument("--no-remat", dest="remat", action="store_false")
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="the layers stacked and run by a scan: one layer compiled whatever "
+                        "their number (Llama family; train with scan_layers=True too)")
     parser.add_argument("--target", default="cpu", choices=TARGETS,
                         help="whose compiler gives the memory: 'cpu' (default) simulated CPU "
                         "devices standing in; 'tpu-v4' the TPU compiler for a v4 slice (needs "
@@ -337,7 +359,8 @@ def main(argv):
                       device_memory=parse_bytes(args.device_memory), seq_len=args.seq_len,
                       per_device_batch_size=args.per_device_batch_size,
                       param_dtype=args.param_dtype, optimizer=args.optimizer,
-                      model_shards=args.model_shards, remat=args.remat, target=args.target)
+                      model_shards=args.model_shards, remat=args.remat, target=args.target,
+                      scan_layers=args.scan_layers)
     except PlanError as e:
         parser.error(str(e))
     if args.json:

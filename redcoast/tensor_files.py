@@ -59,6 +59,22 @@ def host_array(value):
     return out
 
 
+def host_row(value, row):
+    """``value[row]`` on this host, whole, copying only that row's part of each shard (a layer
+    of a stack of layers); every process must call this together for a tensor split across
+    them."""
+    if not isinstance(value, jax.Array):
+        return np.asarray(value[row])
+    if not value.is_fully_addressable:
+        return host_array(value)[row]
+    out = np.empty(value.shape[1:], value.dtype)
+    for shard in value.addressable_shards:
+        rows = range(value.shape[0])[shard.index[0]] if shard.index else range(value.shape[0])
+        if shard.replica_id == 0 and row in rows:
+            out[tuple(shard.index[1:])] = np.asarray(shard.data[row - rows.start])
+    return out
+
+
 def header_bytes(entries, metadata=None):
     """The header of a file holding ``entries`` [(name, shape, dtype, fetch)] in that order."""
     header, offset = {}, 0

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from redcoast.plan import parse_bytes, plan
+from redcoast.plan import PlanError, parse_bytes, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -51,6 +51,22 @@ def test_a_plan_that_does_not_fit_says_what_would(tiny_config):
     record = plan(tiny_config, devices=8, hosts=1, device_memory=20_000, seq_len=64)
     assert not record.fits and record.compile_seconds == 0 and "not compiled" in record.compiler
     assert any("devices of this memory" in s for s in record.suggestions)
+
+
+def test_a_plan_with_layers_scanned_holds_the_same_state(tiny_config, tmp_path):
+    unrolled = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32)
+    scanned = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32,
+                   scan_layers=True)
+    assert scanned.scan_layers and "layers scanned" in scanned.table()
+    assert (scanned.n_params, scanned.layout) == (unrolled.n_params, unrolled.layout)
+    for field in ("params_bytes", "optimizer_bytes", "gradient_bytes"):
+        assert getattr(scanned, field) == getattr(unrolled, field), field
+    opt = tmp_path / "opt.json"
+    opt.write_text(json.dumps({"model_type": "opt", "architectures": ["OPTForCausalLM"],
+                               "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4,
+                               "num_hidden_layers": 2, "vocab_size": 128}))
+    with pytest.raises(PlanError, match="runs its layers unrolled"):
+        plan(str(opt), devices=8, device_memory="64MiB", seq_len=32, scan_layers=True)
 
 
 def test_sizes_are_parsed():

@@ -134,13 +134,67 @@ def stored_name(reader, source):
     return source.name
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A parameter holding the same tensor of every layer on a new leading axis (layers run by a
+    scan, :mod:`redcoast.models.stacked`): ``layers[i]`` is the :class:`Source` of layer i.
+    Folders keep one tensor per layer; each is read into (and written from) its row."""
+
+    layers: tuple
+
+    @property
+    def name(self):  # for messages: the first layer's tensor
+        return self.layers[0].name
+
+
+def stack_sources(per_layer):
+    """One tree of :class:`Stacked` from a list of per-layer trees of :class:`Source`."""
+    return jax.tree_util.tree_map(lambda *layers: Stacked(tuple(layers)), *per_layer,
+                                  is_leaf=lambda x: isinstance(x, Source))
+
+
+def is_source(x):
+    """Whether ``x`` is a leaf of an ``hf_sources`` tree."""
+    return isinstance(x, (Source, Stacked))
+
+
+def parts(source, shape):
+    """``[(Source, shape of the part)]``: the stored tensors behind one parameter of ``shape``."""
+    if isinstance(source, Stacked):
+        return [(s, tuple(shape[1:])) for s in source.layers]
+    return [(source, tuple(shape))]
+
+
+def stored_shape(source, shape):
+    """The shape ``source`` (a :class:`Source`) must have in a folder for a parameter part of
+    ``shape``."""
+    if source.shape is not None:
+        return tuple(source.shape)
+    return tuple(reversed(shape)) if source.transpose else tuple(shape)
+
+
 def load_array(reader, source, shape, sharding, dtype):
-    """One parameter as a ``jax.Array`` placed with ``sharding``; each device reads its slice."""
+    """One parameter as a ``jax.Array`` placed with ``sharding``; each device reads its slice
+    (of a :class:`Stacked` parameter, its slice of each of its layers' tensors)."""
+    readers = [_slice_reader(reader, part, part_shape, dtype)
+               for part, part_shape in parts(source, shape)]
+    if isinstance(source, Stacked):
+        if len(readers) != shape[0]:
+            raise ConfigError(f"{len(readers)} layers' tensors for a stack of {shape[0]}.")
+
+        def slice_for(index):
+            rows = range(shape[0])[index[0]]
+            return np.stack([readers[i](tuple(index[1:])) for i in rows])
+    else:
+        slice_for = readers[0]
+    return jax.make_array_from_callback(tuple(shape), sharding, slice_for)
+
+
+def _slice_reader(reader, source, shape, dtype):
+    """``index -> array``: the index of the parameter of ``shape`` that ``source`` holds."""
     source = dataclasses.replace(source, name=stored_name(reader, source), aliases=())
     stored = reader.shape(source.name)
-    expected = tuple(reversed(shape)) if source.transpose else tuple(shape)
-    if source.shape is not None:
-        expected = tuple(source.shape)
+    expected = stored_shape(source, shape)
     if stored != expected:
         raise ConfigError(f"tensor {source.name!r} has shape {stored}, the config implies {expected}; "
                           "the folder's config.json does not describe its weights.")
@@ -152,7 +206,7 @@ def load_array(reader, source, shape, sharding, dtype):
             return reader.read(source.name, tuple(reversed(index))).T.astype(dtype)
         return reader.read(source.name, index).astype(dtype)
 
-    return jax.make_array_from_callback(tuple(shape), sharding, slice_for)
+    return slice_for
 
 
 def _read_reshaped(reader, name, stored, shape, index):
@@ -169,14 +223,13 @@ def _read_reshaped(reader, name, stored, shape, index):
 def load_params(reader, sources, abstract_params, shardings=None, dtype=None):
     """Params shaped like ``abstract_params`` filled from ``reader``.
 
-    ``sources`` mirrors ``abstract_params`` with a :class:`Source` per leaf; ``shardings``
+    ``sources`` mirrors ``abstract_params`` with a :class:`Source` (or :class:`Stacked`) per leaf; ``shardings``
     mirrors it with a ``jax.sharding.Sharding`` per leaf (default: the first local device).
     """
     if shardings is None:
         device = jax.local_devices()[0]
         shardings = jax.tree_util.tree_map(
             lambda _: jax.sharding.SingleDeviceSharding(device), abstract_params)
-    is_source = lambda x: isinstance(x, Source)  # noqa: E731
     return jax.tree_util.tree_map(
         lambda src, a, s: load_array(reader, src, a.shape, s, np.dtype(dtype or a.dtype)),
         sources, abstract_params, shardings, is_leaf=is_source)

@@ -27,6 +27,7 @@ from flax.core import FrozenDict
 from ..errors import ConfigError
 from . import hf
 from .blocks import packed_rows
+from . import stacked
 from .layers import (RMSNorm, apply_rotary, attend, attention_mask, rope_type, rotary_cos_sin,
                      write_cache)
 
@@ -52,7 +53,10 @@ class LlamaConfig:
     "yarn") and that type's fields, as in transformers' ``rope_parameters`` minus
     ``rope_theta``. ``layer_types``: per layer "full_attention" or "sliding_attention" (Qwen2);
     None applies ``sliding_window`` (if set) to every layer (Mistral). ``dtype``: the compute
-    dtype (parameters keep theirs); ``remat``: recompute each layer in the backward pass.
+    dtype (parameters keep theirs); ``remat``: recompute each layer in the backward pass;
+    ``scan_layers``: the layers' parameters stacked (``layers/.../kernel`` of shape ``[layers,
+    ...]``) and run by a scan, so that the step compiles one layer whatever their number
+    (:mod:`redcoast.models.stacked`; Hugging Face folders keep one tensor per layer).
     """
 
     vocab_size: int = 32000
@@ -80,6 +84,7 @@ class LlamaConfig:
     model_type: str = "llama"
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False
     attention_implementation: str | None = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
@@ -114,6 +119,12 @@ class LlamaConfig:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
                               f"{self.num_hidden_layers} layers; give one per layer.")
         rope_type(self.rope_scaling)  # a clear error now for an unknown scaling
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        if self.scan_layers and len(windows) > 1:
+            raise ConfigError(f"scan_layers=True runs one layer program for all layers, but these "
+                              f"layers differ in their attention windows ({sorted(windows, key=str)}"
+                              "; layer_types mixes sliding and full attention). Fix: "
+                              "scan_layers=False for this model.")
 
     def layer_window(self, i):
         """The sliding window of layer ``i`` (None: full causal attention)."""
@@ -325,8 +336,13 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(
             c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=param_dtype,
             embedding_init=nnx.initializers.normal(c.initializer_range), rngs=rngs)
-        self.layers = nnx.List([LlamaDecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype)
-                                for i in range(c.num_hidden_layers)])
+        if c.scan_layers:  # every layer has the same window (checked by the config)
+            self.layers = stacked.stacked_layers(
+                lambda r: LlamaDecoderLayer(c, 0, rngs=r, param_dtype=param_dtype),
+                c.num_hidden_layers, rngs)
+        else:
+            self.layers = nnx.List([LlamaDecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype)
+                                    for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype,
                             param_dtype=param_dtype)
         if not c.tie_word_embeddings:
@@ -372,17 +388,25 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling,
                                   c.max_position_embeddings)
         x = self.embed_tokens(input_ids)
+        if c.scan_layers and cache is None:
+            x = stacked.scan_layers(self.layers, x, lambda layer, h: layer(
+                h, cos, sin, attention_mask, segment_ids=segment_ids)[0], remat=c.remat)
+            return self._logits(x)
         run = nnx.remat(_run_layer) if c.remat else _run_layer
         new_cache = {"layers": {}}
-        for i, layer in enumerate(self.layers):
+        for i in range(c.num_hidden_layers):
+            layer = stacked.layer_at(self.layers, i) if c.scan_layers else self.layers[i]
             layer_cache = None if cache is None else cache["layers"][str(i)]
             x, layer_cache = run(layer, x, cos, sin, attention_mask, layer_cache, cache_index,
                                  segment_ids)
             new_cache["layers"][str(i)] = layer_cache
-        x = self.norm(x)
-        logits = self.embed_tokens.attend(x) if c.tie_word_embeddings else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
+        logits = self._logits(x)
         return logits if cache is None else (logits, new_cache)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
+        return logits.astype(jnp.float32)
 
 
 MODULES = {name: LlamaForCausalLM for name in ARCHITECTURES.values()}
@@ -413,6 +437,8 @@ def hf_sources(config, module_cls=LlamaForCausalLM):
             "mlp": {name: linear(f"{p}.mlp.{name}", c.mlp_bias)
                     for name in ("gate_proj", "up_proj", "down_proj")},
         }
+    if c.scan_layers:
+        layers = hf.stack_sources([layers[str(i)] for i in range(c.num_hidden_layers)])
     out = {"embed_tokens": {"embedding": hf.Source("model.embed_tokens.weight")},
            "layers": layers, "norm": {"scale": hf.Source("model.norm.weight")}}
     if not c.tie_word_embeddings:

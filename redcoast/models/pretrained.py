@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from . import folder_extras
 from .chat_template import ChatTemplate
 from ..sharding.paths import key_to_str
-from ..tensor_files import Deferred, host_array
+from ..tensor_files import Deferred, host_array, host_row
 from . import hf
 from .base import Model
 
@@ -180,7 +180,7 @@ def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dty
 
 
 def _is_source(x):
-    return isinstance(x, hf.Source)
+    return hf.is_source(x)
 
 
 def _path_str(path):
@@ -214,30 +214,33 @@ def load_or_init(model, family, reader, abstract, shardings, deployer=None, rng=
     flat_abstract = treedef.flatten_up_to(abstract)
     flat_shardings = treedef.flatten_up_to(shardings)
     heads = tuple(getattr(family, "TASK_HEADS", {}).get(model.module_cls, ()))
-    stored = [hf.stored_name(reader, src) for _, src in flat_sources]
+    # each parameter's stored tensors: one, or one per layer for layers stacked for a scan
+    leaf_parts = [hf.parts(src, a.shape) for (_, src), a in zip(flat_sources, flat_abstract)]
+    stored = [[hf.stored_name(reader, part) for part, _ in ps] for ps in leaf_parts]
     names = _stored_names(reader)
     # a listed name is checked without reading it (``in`` on a Mapping such as GGUFTensors would
     # dequantise the tensor)
     listed = set(names) if names is not None else reader
-    present = [name in listed for name in stored]
-    missing = [(_path_str(path), src.name, a.shape)
-               for (path, src), a, ok in zip(flat_sources, flat_abstract, present) if not ok]
+    present = [all(name in listed for name in leaf) for leaf in stored]
+    missing = [(_path_str(path), name, a.shape)
+               for (path, _), a, leaf, ok in zip(flat_sources, flat_abstract, stored, present)
+               if not ok for name in leaf if name not in listed]
     body_missing = [m for m in missing if m[0].split(".")[0] not in heads]
     arch = model.module_cls.__name__
     if body_missing:
         listed = ", ".join(name for _, name, _ in body_missing[:8])
         more = f" and {len(body_missing) - 8} more" if len(body_missing) > 8 else ""
         raise ConfigError(
-            f"the checkpoint lacks {len(body_missing)} of the {len(flat_sources)} tensors of "
+            f"the checkpoint lacks {len(body_missing)} of the {sum(map(len, stored))} tensors of "
             f"{arch}'s body: {listed}{more}. Only a task head "
             f"({', '.join(heads) or 'none for ' + arch}) may be missing; check that the folder "
             "holds this model family's weights, and that config.json matches them.")
     wrong = []
-    for (path, src), a, name, ok in zip(flat_sources, flat_abstract, stored, present):
-        expected = tuple(src.shape) if src.shape is not None else (
-            tuple(reversed(a.shape)) if src.transpose else tuple(a.shape))
-        if ok and tuple(reader.shape(name)) != expected:
-            wrong.append(f"{name} {tuple(reader.shape(name))} (expected {expected})")
+    for ps, leaf, ok in zip(leaf_parts, stored, present):
+        for (part, part_shape), name in zip(ps, leaf):
+            expected = hf.stored_shape(part, part_shape)
+            if ok and tuple(reader.shape(name)) != expected:
+                wrong.append(f"{name} {tuple(reader.shape(name))} (expected {expected})")
     if wrong:
         raise ConfigError(f"{len(wrong)} stored tensors have other shapes than {arch} with this "
                           f"config needs: {'; '.join(wrong)}. Fix config.json or config_overrides "
@@ -252,15 +255,14 @@ def load_or_init(model, family, reader, abstract, shardings, deployer=None, rng=
                 "checkpoint and are freshly initialised (train them before use): "
                 + ", ".join(f"{p} {tuple(shape)}" for p, _, shape in missing))
     if names is not None:
-        used = {name for name, ok in zip(stored, present) if ok}
+        used = {name for leaf, ok in zip(stored, present) if ok for name in leaf}
         ok_unused = getattr(family, "UNUSED_OK", ())
         unused = [n for n in names if n not in used and not any(re.search(r, n) for r in ok_unused)]
         if unused:
             _report(deployer, f"{arch} does not use {len(unused)} stored tensors (left unread): "
                     + ", ".join(sorted(unused)))
     leaves = []
-    for (path, src), a, s, name, ok in zip(flat_sources, flat_abstract, flat_shardings, stored,
-                                           present):
+    for (path, src), a, s, ok in zip(flat_sources, flat_abstract, flat_shardings, present):
         leaves.append(hf.load_array(reader, src, a.shape, s, np.dtype(a.dtype)) if ok
                       else fresh[_path_str(path)])
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -291,21 +293,23 @@ def _fresh_params(model, paths, shardings, rng):
 
 def hf_tensors(model, params):
     """``{stored name: Deferred}`` in the Hugging Face layout (transposes and reshapes undone
-    on the host when each tensor is fetched, so nothing is copied on the devices)."""
+    on the host when each tensor is fetched, so nothing is copied on the devices; layers stacked
+    for a scan written one tensor per layer)."""
     family = family_of(model.config.to_hf()["model_type"])
     sources = family.hf_sources(model.config, model.module_cls)
-    is_source = lambda x: isinstance(x, hf.Source)  # noqa: E731
     out = {}
-    for src, value in zip(jax.tree_util.tree_leaves(sources, is_leaf=is_source),
+    for src, value in zip(jax.tree_util.tree_leaves(sources, is_leaf=hf.is_source),
                           jax.tree_util.tree_leaves(params)):
-        shape = tuple(np.shape(value))[::-1] if src.transpose else tuple(np.shape(value))
-        shape = shape if src.shape is None else tuple(src.shape)
+        stacked = isinstance(src, hf.Stacked)
+        for i, (part, part_shape) in enumerate(hf.parts(src, np.shape(value))):
+            shape = tuple(reversed(part_shape)) if part.transpose else part_shape
+            shape = shape if part.shape is None else tuple(part.shape)
 
-        def fetch(value=value, src=src, shape=shape):
-            array = host_array(value)
-            return (array.T if src.transpose else array).reshape(shape)
+            def fetch(value=value, part=part, shape=shape, row=i if stacked else None):
+                array = host_array(value) if row is None else host_row(value, row)
+                return (array.T if part.transpose else array).reshape(shape)
 
-        out[src.name] = Deferred(shape, np.dtype(value.dtype), fetch)
+            out[part.name] = Deferred(shape, np.dtype(value.dtype), fetch)
     return out
 
 

@@ -1,0 +1,156 @@
+"""Layers stacked and run by a scan (``scan_layers=True``) against the same model unrolled: the
+same numbers, the same Hugging Face folders, the same sharded training; and one traced layer
+whatever the depth."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import redcoast
+from redcoast import Deployer, Trainer
+from redcoast.errors import ConfigError
+from redcoast.models import Model, from_pretrained, llama, save_pretrained
+from redcoast.models.generate import generate
+
+V = 64
+TINY = llama.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _pair(config=TINY, **overrides):
+    config = dataclasses.replace(config, **overrides)
+    return (Model(llama.LlamaForCausalLM, config),
+            Model(llama.LlamaForCausalLM, dataclasses.replace(config, scan_layers=True)))
+
+
+def _stack(params, n_layers):
+    """Unrolled params (``layers/0``, ``layers/1``, ...) with the layers stacked."""
+    out = dict(params)
+    out["layers"] = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                           *[params["layers"][str(i)] for i in range(n_layers)])
+    return out
+
+
+def _assert_equal_trees(a, b, **tol):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path),
+                                   **tol)
+
+
+def _batch(seed=0, rows=2, length=9):
+    ids = jax.random.randint(jax.random.key(seed), (rows, length), 0, V)
+    mask = jnp.ones((rows, length), jnp.int32).at[0, :3].set(0)  # row 0 left-padded
+    return ids, mask
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_scanned_llama_computes_what_the_unrolled_one_does(remat):
+    unrolled, scanned = _pair(remat=remat)
+    params = unrolled.init(0)
+    stacked = _stack(params, TINY.num_hidden_layers)
+    assert stacked["layers"]["self_attn"]["q_proj"]["kernel"].shape == (3, 32, 32)
+    assert jax.tree_util.tree_structure(stacked) == jax.tree_util.tree_structure(
+        scanned.abstract_params())
+    ids, mask = _batch()
+    _assert_equal_trees(scanned.apply(stacked, ids, mask), unrolled.apply(params, ids, mask),
+                        atol=1e-6, rtol=0)
+
+    def loss(model):
+        return lambda p: (model.apply(p, ids, mask) ** 2).mean()
+    _assert_equal_trees(jax.grad(loss(scanned))(stacked),
+                        _stack(jax.grad(loss(unrolled))(params), TINY.num_hidden_layers),
+                        atol=1e-7, rtol=1e-5)
+    # decoding with a KV cache reads the stack one layer at a time: the same tokens
+    np.testing.assert_array_equal(generate(scanned, stacked, ids, mask, max_new_tokens=4),
+                                  generate(unrolled, params, ids, mask, max_new_tokens=4))
+
+
+def test_each_stacked_layer_is_initialised_from_its_own_key():
+    _, scanned = _pair()
+    q = np.asarray(scanned.init(0)["layers"]["self_attn"]["q_proj"]["kernel"])
+    assert 0.015 < q.std() < 0.025  # the layer's own initialiser (normal, 0.02)
+    assert not np.allclose(q[0], q[1]) and not np.allclose(q[1], q[2])
+
+
+def test_the_scan_traces_one_layer_whatever_the_depth():
+    def n_matmuls(config):
+        model = Model(llama.LlamaForCausalLM, config)
+        jaxpr = jax.make_jaxpr(model.apply)(model.abstract_params(), _batch()[0])
+        return str(jaxpr).count("dot_general")
+    deep = dataclasses.replace(TINY, num_hidden_layers=8)
+    assert n_matmuls(dataclasses.replace(deep, scan_layers=True)) == n_matmuls(
+        dataclasses.replace(TINY, num_hidden_layers=1, scan_layers=True))
+    assert n_matmuls(deep) > n_matmuls(TINY)  # the unrolled model traces every layer
+
+
+def test_folders_hold_one_tensor_per_layer_both_ways(tmp_path):
+    unrolled, scanned = _pair(tie_word_embeddings=True)
+    params = unrolled.init(0)
+    save_pretrained(unrolled, params, str(tmp_path / "unrolled"))
+    model, stacked = from_pretrained(str(tmp_path / "unrolled"),
+                                     config_overrides={"scan_layers": True})
+    assert model.config.scan_layers
+    _assert_equal_trees(stacked, _stack(params, TINY.num_hidden_layers), atol=0, rtol=0)
+    save_pretrained(model, stacked, str(tmp_path / "scanned"))
+    names = lambda d: sorted(redcoast.models.hf.SafetensorsFolder(str(tmp_path / d)).names())  # noqa: E731
+    assert names("scanned") == names("unrolled")
+    assert "model.layers.2.self_attn.q_proj.weight" in names("scanned")
+    _, back = from_pretrained(str(tmp_path / "scanned"))  # read unrolled again: bitwise
+    _assert_equal_trees(back, params, atol=0, rtol=0)
+
+
+def test_a_stacked_parameter_loads_split_and_each_device_reads_its_rows(tmp_path):
+    unrolled, _ = _pair()
+    params = unrolled.init(0)
+    save_pretrained(unrolled, params, str(tmp_path / "m"))
+    deployer = Deployer(n_model_shards=2, verbose=False)
+    model, stacked = from_pretrained(str(tmp_path / "m"), deployer,
+                                     config_overrides={"scan_layers": True})
+    q = stacked["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec[0] is None and "mp" in q.sharding.spec  # heads split, layers whole
+    assert q.addressable_shards[0].data.shape == (3, 32, 16)
+    _assert_equal_trees(stacked, _stack(params, TINY.num_hidden_layers), atol=0, rtol=0)
+
+
+def test_layers_with_different_windows_cannot_be_scanned():
+    with pytest.raises(ConfigError, match="scan_layers=False"):
+        dataclasses.replace(TINY, sliding_window=4, layer_types=(
+            "full_attention", "sliding_attention", "full_attention"), scan_layers=True)
+
+
+def _lm_loss(model):
+    def loss(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+    return loss
+
+
+def test_a_scanned_llama_trains_on_2x4_like_the_unrolled_one():
+    """Through the Trainer with every default on 8 simulated devices, mp=2: the plan splits the
+    stacked Q/K/V by heads as it splits each unrolled layer's, and two updates agree (SGD: Adam
+    would turn the summation order's rounding of near-zero gradients into whole steps)."""
+    rng = np.random.default_rng(0)
+    examples = [{"ids": rng.integers(0, V, 9).astype(np.int32)} for _ in range(16)]
+    collate = lambda rows: {"ids": np.stack([r["ids"] for r in rows])}  # noqa: E731
+    trained = {}
+    unrolled_params = _pair()[0].init(0)
+    for name, model, params in zip(("unrolled", "scanned"), _pair(),
+                                   (unrolled_params, _stack(unrolled_params, 3))):
+        trainer = Trainer(Deployer(n_model_shards=2, jax_seed=0, verbose=False), collate,
+                          model.apply, _lm_loss(model), params, optax.sgd(0.05, momentum=0.9))
+        trainer.train(examples, per_device_batch_size=2, shuffle=False)
+        trained[name] = trainer
+    def specs(trainer, prefix):  # {path below prefix: spec over every axis}
+        return {pl.path[len(prefix):]: tuple(pl.spec) + (None,) * (len(pl.shape) - len(pl.spec))
+                for pl in trainer.plan.placements if pl.path[:len(prefix)] == prefix}
+    unrolled = specs(trained["unrolled"], ("layers", "0"))
+    scanned = specs(trained["scanned"], ("layers",))
+    assert scanned == {path: (None, *spec) for path, spec in unrolled.items()}
+    assert "mp" in scanned[("self_attn", "q_proj", "kernel")]
+    _assert_equal_trees(trained["scanned"].params,
+                        _stack(trained["unrolled"].params, TINY.num_hidden_layers),
+                        atol=2e-6, rtol=1e-5)
