@@ -223,7 +223,7 @@ def _check_scannable(model_type):
     from .models.pretrained import family_of
     if "scan_layers" not in {f.name for f in dataclasses.fields(family_of(model_type).Config)}:
         raise PlanError(f"--scan-layers: redcoast's {model_type} model runs its layers unrolled "
-                        "(layers stacked for a scan: the Llama family). Fix: plan without "
+                        "(layers stacked for a scan: the Llama and OPT families). Fix: plan without "
                         "--scan-layers.")
 
 
@@ -275,7 +275,8 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
     ``target``: "cpu" compiles for simulated CPU devices, standing in for the target's
     compiler; "tpu-v4" with the TPU compiler for a TPU v4 slice of ``devices`` chips (libtpu
     installed; no TPU needed). ``scan_layers``: the model's layers stacked and run by a scan,
-    so that the compiler sees one layer (Llama family; the run must use the same setting).
+    so that the compiler sees one layer (Llama and OPT families; the run must use the same
+    setting).
 
     For "cpu", runs in a fresh process when this one does not have ``devices`` CPU devices."""
     device_memory = parse_bytes(device_memory) if isinstance(device_memory, str) else int(device_memory)
@@ -340,7 +341,7 @@ def main(argv):
     parser.add_argument("--no-remat", dest="remat", action="store_false")
     parser.add_argument("--scan-layers", action="store_true",
                         help="the layers stacked and run by a scan: one layer compiled whatever "
-                        "their number (Llama family; train with scan_layers=True too)")
+                        "their number (Llama and OPT families; train with scan_layers=True too)")
     parser.add_argument("--target", default="cpu", choices=TARGETS,
                         help="whose compiler gives the memory: 'cpu' (default) simulated CPU "
                         "devices standing in; 'tpu-v4' the TPU compiler for a v4 slice (needs "

@@ -322,10 +322,6 @@ class LlamaDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
-def _run_layer(layer, x, cos, sin, key_valid, cache, cache_index, segment_ids):
-    return layer(x, cos, sin, key_valid, cache, cache_index, segment_ids)
-
-
 class LlamaForCausalLM(nnx.Module):
     """Token ids -> next-token logits (float32), with an optional KV cache (see
     :meth:`__call__` and :meth:`init_cache`)."""
@@ -388,25 +384,15 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling,
                                   c.max_position_embeddings)
         x = self.embed_tokens(input_ids)
-        if c.scan_layers and cache is None:
-            x = stacked.scan_layers(self.layers, x, lambda layer, h: layer(
-                h, cos, sin, attention_mask, segment_ids=segment_ids)[0], remat=c.remat)
-            return self._logits(x)
-        run = nnx.remat(_run_layer) if c.remat else _run_layer
-        new_cache = {"layers": {}}
-        for i in range(c.num_hidden_layers):
-            layer = stacked.layer_at(self.layers, i) if c.scan_layers else self.layers[i]
-            layer_cache = None if cache is None else cache["layers"][str(i)]
-            x, layer_cache = run(layer, x, cos, sin, attention_mask, layer_cache, cache_index,
-                                 segment_ids)
-            new_cache["layers"][str(i)] = layer_cache
-        logits = self._logits(x)
-        return logits if cache is None else (logits, new_cache)
-
-    def _logits(self, x):
+        x, new_cache = stacked.run_layers(
+            self.layers, c.num_hidden_layers, x, cache,
+            lambda layer, h, layer_cache: layer(h, cos, sin, attention_mask, layer_cache,
+                                                cache_index, segment_ids),
+            scanned=c.scan_layers, remat=c.remat)
         x = self.norm(x)
-        logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32)
+        logits = self.embed_tokens.attend(x) if c.tie_word_embeddings else self.lm_head(x)
+        logits = logits.astype(jnp.float32)
+        return logits if cache is None else (logits, new_cache)
 
 
 MODULES = {name: LlamaForCausalLM for name in ARCHITECTURES.values()}

@@ -15,12 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import ConfigError
-from . import hf
+from . import hf, stacked
 from .activations import activation
 from .blocks import (LearnedPositions, cached_attention, check_length, decoder_inputs, dense,
-                     empty_kv_cache, layer_norm, merge_heads, run_layer, split_heads)
+                     empty_kv_cache, layer_norm, merge_heads, split_heads)
 
 POSITION_OFFSET = 2
+# Config fields that say how redcoast runs the model, not what it is: not in config.json
+_HOW_IT_RUNS = ("dtype", "remat", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Config:
     eos_token_id: Any = 2
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False  # the layers stacked and run by a scan (models/stacked.py)
 
     def __post_init__(self):
         if self.word_embed_proj_dim is None:
@@ -71,14 +74,14 @@ class Config:
         if d.get("tie_word_embeddings", True) is False:
             raise ConfigError("tie_word_embeddings=false: redcoast's OPT ties its LM head to the "
                               "token embedding, as every released OPT does.")
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "remat",
+        names = {f.name for f in dataclasses.fields(cls)} - {*_HOW_IT_RUNS,
                                                                "remove_final_layer_norm"}
         return cls(**{k: d[k] for k in names if k in d},
                    remove_final_layer_norm=d.get("_remove_final_layer_norm", False))
 
     def to_hf(self):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("dtype", "remat", "remove_final_layer_norm")}
+             if f.name not in (*_HOW_IT_RUNS, "remove_final_layer_norm")}
         if isinstance(d["eos_token_id"], tuple):
             d["eos_token_id"] = list(d["eos_token_id"])
         return {**d, "_remove_final_layer_norm": self.remove_final_layer_norm,
@@ -154,8 +157,13 @@ class OPTForCausalLM(nnx.Module):
                       std=c.init_std)
             self.project_in = dense(c.word_embed_proj_dim, c.hidden_size, **kw)
             self.project_out = dense(c.hidden_size, c.word_embed_proj_dim, **kw)
-        self.layers = nnx.List([OPTDecoderLayer(c, rngs=rngs, param_dtype=param_dtype)
-                                for _ in range(c.num_hidden_layers)])
+        if c.scan_layers:
+            self.layers = stacked.stacked_layers(
+                lambda r: OPTDecoderLayer(c, rngs=r, param_dtype=param_dtype), c.num_hidden_layers,
+                rngs)
+        else:
+            self.layers = nnx.List([OPTDecoderLayer(c, rngs=rngs, param_dtype=param_dtype)
+                                    for _ in range(c.num_hidden_layers)])
         if c.final_norm:
             self.final_layer_norm = layer_norm(c.hidden_size, affine=c.layer_norm_elementwise_affine,
                                                dtype=c.dtype, param_dtype=param_dtype, rngs=rngs)
@@ -176,11 +184,11 @@ class OPTForCausalLM(nnx.Module):
         if c.projects:
             x = self.project_in(x)
         x = x + self.embed_positions(positions)
-        new_cache = {"layers": {}}
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache["layers"][str(i)]
-            x, new_cache["layers"][str(i)] = run_layer(layer, c.remat, x, key_valid, query_slots,
-                                                       layer_cache, cache_index, segment_ids)
+        x, new_cache = stacked.run_layers(
+            self.layers, c.num_hidden_layers, x, cache,
+            lambda layer, h, layer_cache: layer(h, key_valid, query_slots, layer_cache,
+                                                cache_index, segment_ids),
+            scanned=c.scan_layers, remat=c.remat)
         if c.final_norm:
             x = self.final_layer_norm(x)
         if c.projects:
@@ -217,7 +225,8 @@ def hf_sources(config, module_cls=OPTForCausalLM):
     out = {"embed_tokens": {"embedding": hf.Source("model.decoder.embed_tokens.weight")},
            "embed_positions": {"table": {"embedding": hf.Source(
                "model.decoder.embed_positions.weight")}},
-           "layers": {str(i): layer(i) for i in range(c.num_hidden_layers)}}
+           "layers": (hf.stack_sources([layer(i) for i in range(c.num_hidden_layers)])
+                      if c.scan_layers else {str(i): layer(i) for i in range(c.num_hidden_layers)})}
     if c.projects:
         out["project_in"] = linear("model.decoder.project_in", bias=False)
         out["project_out"] = linear("model.decoder.project_out", bias=False)

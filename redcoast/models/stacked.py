@@ -46,3 +46,18 @@ def layer_at(layers, i):
     """Layer ``i`` of ``layers`` (from :func:`stacked_layers`) as a module of its own."""
     graphdef, state = nnx.split(layers)
     return nnx.merge(graphdef, jax.tree_util.tree_map(lambda a: a[i], state))
+
+
+def run_layers(layers, n_layers, x, cache, call, *, scanned, remat):
+    """``(x, new cache)``: ``x`` through the ``n_layers`` layers in order, ``call(layer, x,
+    layer_cache) -> (x, layer_cache)`` on each; ``layers`` stacked (``scanned``: run by a
+    scan when there is no cache) or a list. ``cache``: ``{"layers": {"0": ..., ...}}`` or None
+    (the new cache is then None too)."""
+    if scanned and cache is None:
+        return scan_layers(layers, x, lambda layer, h: call(layer, h, None)[0], remat), None
+    run = nnx.remat(call) if remat else call
+    new = {}
+    for i in range(n_layers):
+        layer = layer_at(layers, i) if scanned else layers[i]
+        x, new[str(i)] = run(layer, x, None if cache is None else cache["layers"][str(i)])
+    return x, None if cache is None else {"layers": new}
