@@ -8,7 +8,11 @@ are compiled by the TPU compiler itself (``--target tpu-v4``) where libtpu is in
 (``pip install "jax[tpu]==<your jax>"``; no TPU needed), else on simulated CPU devices; the
 compiler column says which.
 
+``--scan-layers`` plans the Llama and OPT rows with their layers stacked and run by a scan (one
+layer compiled whatever their number; the other rows as they are).
+
     python benchmarks/table1.py [--rows NAME ...] [--param-dtype bfloat16] [--cpu-only]
+                                [--scan-layers]
 """
 
 import argparse
@@ -33,7 +37,10 @@ ROWS = {
     "opt-66b": ("opt-66b", 64, 16, "32GiB", 512, "16 hosts x 4 TPU-v4"),
     "opt-66b-on-4xA100": ("opt-66b", 4, 1, "40GiB", 512, "4 x A100 (not in the paper: too small)"),
     "opt-2.7b": ("opt-2.7b", 4, 1, "40GiB", 1024, "4 x A100 (Figure 3)"),
+    # not in the paper: 80 layers, where compiling every layer unrolled takes minutes
+    "llama-2-70b": ("llama-2-70b", 64, 16, "32GiB", 4096, "16 hosts x 4 TPU-v4 (80 layers)"),
 }
+SCANNABLE = ("llama", "opt")  # families whose layers redcoast can stack and scan
 
 
 def has_libtpu():
@@ -49,7 +56,12 @@ def target_of(name, cpu_only):
     return "tpu-v4" if "TPU" in ROWS[name][5] and not cpu_only and has_libtpu() else "cpu"
 
 
-def plan_row(name, param_dtype, target):
+def scans(name, scan_layers):
+    """Whether the row is planned with its layers scanned."""
+    return scan_layers and ROWS[name][0].split("-")[0] in SCANNABLE
+
+
+def plan_row(name, param_dtype, target, scan_layers=False):
     config, devices, hosts, memory, seq, _ = ROWS[name]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
@@ -60,7 +72,7 @@ def plan_row(name, param_dtype, target):
             [sys.executable, "-m", "redcoast", "plan", os.path.join(CONFIGS, config + ".json"),
              "--devices", str(devices), "--hosts", str(hosts), "--device-memory", memory,
              "--seq-len", str(seq), "--param-dtype", param_dtype, "--target", target,
-             "--json", out, "--quiet"],
+             "--json", out, "--quiet"] + (["--scan-layers"] if scan_layers else []),
             capture_output=True, text=True, env=env)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
@@ -71,8 +83,12 @@ def plan_row(name, param_dtype, target):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--rows", nargs="*", default=[r for r in ROWS if r != "llama-2-70b"],
+                        choices=list(ROWS), help="default: the paper's rows (llama-2-70b on "
+                        "request)")
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="the Llama and OPT rows with their layers stacked and scanned")
     parser.add_argument("--cpu-only", action="store_true",
                         help="simulated CPU devices for every row, even where libtpu is installed")
     args = parser.parse_args()
@@ -82,13 +98,14 @@ def main():
           f"{'compile':>8}{'wall':>7}{'host':>6}")
     for name in args.rows:
         target = target_of(name, args.cpu_only)
-        r, seconds = plan_row(name, args.param_dtype, target)
+        r, seconds = plan_row(name, args.param_dtype, target, scans(name, args.scan_layers))
         state = r["params_bytes"] + r["optimizer_bytes"] + r["gradient_bytes"]
         layout = r["layout"].split(",")[0] + ("" if r["compile_seconds"] else " (not compiled)")
         print(f"{name:<19}{ROWS[name][5]:<24}{r['n_params'] / 1e9:>7.2f}B{r['seq_len']:>6}  "
               f"{layout:<40}{gib(state):>10}{gib(r['per_device_peak_bytes']):>9}"
               f"{gib(r['device_memory_bytes']):>8}  {'FITS' if r['fits'] else 'DOES NOT FIT':<13}"
-              f"{'yes' if r['remat'] else 'no':<6}{'TPU' if target != 'cpu' else 'XLA:CPU':<9}"
+              f"{'yes' if r['remat'] else 'no':<6}{'yes' if r.get('scan_layers') else 'no':<5}"
+              f"{'TPU' if target != 'cpu' else 'XLA:CPU':<9}"
               f"{r['compile_seconds']:>7.0f}s{seconds:>6.0f}s"
               f"{gib(r['host_memory_bytes']):>6}", flush=True)
         for s in r["suggestions"]:

@@ -8,6 +8,7 @@ state; gradients live among the temporaries), so the message says what to shrink
 """
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -43,6 +44,20 @@ class StepMemory:
                 ("temporaries", self.temporaries), ("peak per device", self.peak),
                 ("device memory", budget)]
         return "\n".join(f"  {name:<17}{size(n):>12}" for name, n in rows)
+
+
+# The TPU compiler refuses a step over the device's memory at compile time (no memory analysis
+# comes back): "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: ... the total memory required for
+# HLO temporaries (114.30G) exceeds available HBM (30.75G)" (libtpu 0.0.50, jax 0.12)
+_REFUSAL = re.compile(r"CompileTimeHbmOom.*?HLO temporaries \(([\d.]+)([KMGT])\)", re.S)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def refused_temporaries(error):
+    """The temporaries (bytes) a compiler's out-of-memory refusal of a step says it needs, or
+    None when ``error`` is no such refusal."""
+    found = _REFUSAL.search(str(error))
+    return None if found is None else int(float(found.group(1)) * _UNITS[found.group(2)])
 
 
 def size(n):

@@ -123,6 +123,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     import optax
 
     from .deployer import Deployer
+    from .memory_check import refused_temporaries
     from .models.pretrained import model_from_config
     from .trainer import Trainer
 
@@ -161,7 +162,21 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
                            "(the peak shown is that state, a lower bound)")
         return record
     start = time.perf_counter()
-    compiled = trainer.compile_train_step(batch)
+    try:
+        compiled = trainer.compile_train_step(batch)
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a step over its memory
+        needed = refused_temporaries(e)
+        if needed is None:
+            raise
+        record.compile_seconds = time.perf_counter() - start
+        _hold_state(record, trainer)
+        record.temporary_bytes = needed
+        record.per_device_peak_bytes = record.params_bytes + record.optimizer_bytes + needed
+        record.layout = (f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
+                         f"{trainer.layout.name}")
+        record.compiler = (f"{compiler}: refused the step at compile time (temporaries over the "
+                           "device's memory; the peak shown is the state + those temporaries)")
+        return record
     record.compile_seconds = time.perf_counter() - start
     _hold_state(record, trainer)  # as the chosen layout places it
     m = compiled.memory_analysis()

@@ -9,7 +9,7 @@ import jax
 
 from .flops import traced_flops
 from .host import to_host
-from .memory_check import StepMemory, require_fits
+from .memory_check import StepMemory, per_device_bytes, refused_temporaries, require_fits
 from .sharding.context import tracing_for
 from .throughput import StepCost, peak_flops, tokens_per_example
 
@@ -95,5 +95,15 @@ class StepMeter:
             return  # simulated devices share the host's memory: no per-device limit to hold
         source = ("Deployer(memory_budget_bytes=...)" if deployer.memory_budget_bytes else
                   f"the {deployer.platform} device's memory limit")
-        require_fits(StepMemory.of(self._compiled(state, batch, key), state),
-                     deployer.device_memory_budget(), f"layout {self.layout.name}", source)
+        budget, name = deployer.device_memory_budget(), f"layout {self.layout.name}"
+        try:
+            compiled = self._compiled(state, batch, key)
+        except jax.errors.JaxRuntimeError as e:  # a TPU compiler refuses a step too big
+            needed = refused_temporaries(e)
+            if needed is None:
+                raise
+            params, optimizer = per_device_bytes(state.params), per_device_bytes(state.opt_state)
+            require_fits(StepMemory(params, optimizer, needed, params + optimizer + needed),
+                         budget, name, source + "; the compiler refused the step")
+            raise
+        require_fits(StepMemory.of(compiled, state), budget, name, source)

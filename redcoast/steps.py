@@ -10,11 +10,14 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from .errors import LossError
 from .sharding.fusion import fuse_sibling_matmuls
 from .sharding.grouped_conv import guard_grouped_convs
+from .sharding.paths import leaves_with_paths
+from .sharding.scanned_weights import gather_layer_by_layer, scanned_leaves
 
 
 # optax.tree.norm replaced optax.global_norm (deprecated since optax 0.2.5)
@@ -83,6 +86,33 @@ def gathered(params, compute_dtype, compute_shardings=None):
     return jax.lax.with_sharding_constraint(params, compute_shardings)
 
 
+def _stored_otherwise(compute_shardings, stored_shardings, params):
+    """Whether any parameter is stored otherwise than the step computes with it (FSDP)."""
+    if compute_shardings is None or stored_shardings is None:
+        return False
+    return any(not s.is_equivalent_to(c, np.ndim(p)) for c, s, p in zip(
+        jax.tree_util.tree_leaves(compute_shardings), jax.tree_util.tree_leaves(stored_shardings),
+        jax.tree_util.tree_leaves(params)))
+
+
+def _gathered_in_scans(closed, weights, compute_shardings, stored_shardings):
+    """``(shardings the loss starts from, {leaf: one layer's stored spec})``: the parameters
+    that a scan of the loss's program ``closed`` runs over, and that are stored otherwise than
+    computed (FSDP), start as stored and stay so as each iteration takes its layer (the
+    partitioner gathers the layer where it is used, and what the backward pass keeps of it is
+    the stored split, not the gathered layer); the others are gathered at the start
+    (:func:`gathered`)."""
+    compute, treedef = jax.tree_util.tree_flatten(compute_shardings)
+    stored = treedef.flatten_up_to(stored_shardings)
+    moved = {i for i in scanned_leaves(closed, weights)
+             if not stored[i].is_equivalent_to(compute[i], len(weights[i].shape))}
+    if not moved:
+        return compute_shardings, {}
+    starts = [stored[i] if i in moved else s for i, s in enumerate(compute)]
+    return (jax.tree_util.tree_unflatten(treedef, starts),
+            {i: tuple(stored[i].spec)[1:] for i in moved})
+
+
 def with_frozen_cast(state, compute_dtype):
     """``state`` with its ``frozen_params`` (if any) in ``compute_dtype``, as ``loss_fn`` sees them."""
     if state.frozen_params is None:
@@ -91,7 +121,7 @@ def with_frozen_cast(state, compute_dtype):
 
 
 def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardings=None,
-                       mesh=None, guard_plan=None):
+                       mesh=None, guard_plan=None, stored_shardings=None):
     """``loss_and_grad(state, params, batch, rng) -> (loss, metrics, grads)``: the training
     loss of one micro-batch and its gradient, as the training step computes them.
 
@@ -104,19 +134,31 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
     on; its grouped convolutions are then guarded against the partitioner's wrong kernel
     gradient (sharding/grouped_conv.py), with their channels split where ``guard_plan`` (the
     ``RewritePlan`` of the parameters' plan, whether or not the loss is rewritten) splits
-    their kernels.
+    their kernels. ``stored_shardings`` (the parameters' own): a stacked parameter that a scan
+    runs over and FSDP stores split is gathered one layer at a time inside the scan, not whole
+    at the start (sharding/scanned_weights.py).
     """
-    def training_loss(p, batch, rng, state):
+    def training_loss(p, batch, rng, state, shardings):
         return loss_fn(rng, with_frozen_cast(state, compute_dtype),
-                       gathered(p, compute_dtype, compute_shardings), batch, True)
+                       gathered(p, compute_dtype, shardings), batch, True)
 
-    def objective_of(state):
-        fn = lambda p, b, r: training_loss(p, b, r, state)  # noqa: E731
+    def objective_of(state, params, batch, rng):
+        shardings, layer_specs = compute_shardings, {}
+        if (mesh is not None and guard_plan is not None and guard_plan.knows_placements
+                and _stored_otherwise(compute_shardings, stored_shardings, params)):
+            weights = guard_plan.leaf_splits(leaves_with_paths(params))
+            shardings, layer_specs = _gathered_in_scans(
+                jax.make_jaxpr(lambda p: training_loss(p, batch, rng, state, None))(params),
+                weights, compute_shardings, stored_shardings)
+        fn = lambda p, b, r: training_loss(p, b, r, state, shardings)  # noqa: E731
+        if layer_specs:
+            fn = gather_layer_by_layer(fn, mesh, weights, layer_specs)
         return fn if mesh is None else guard_grouped_convs(fn, mesh, plan=guard_plan)
 
     def loss_and_grad(state, params, batch, rng):
+        loss = objective_of(state, params, batch, rng)
+
         def objective(p):
-            loss = objective_of(state)
             if rewrite_plan is not None and rewrite_plan.blocks > 1:
                 try:
                     return split_loss_output(fuse_sibling_matmuls(loss, rewrite_plan)(p, batch, rng))
@@ -148,7 +190,7 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
     (averaged) gradient to the metrics as ``grad_norm``.
     """
     loss_and_grad = make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan, compute_shardings, mesh,
-                                       guard_plan)
+                                       guard_plan, stored_shardings=grad_shardings)
 
     def step(state, batch, rng):
         step_rng = jax.random.fold_in(rng, state.step)

@@ -65,21 +65,13 @@ def kill_and_resume(tmp_path, uninterrupted, rng, inside_save):
     return log
 
 
-@pytest.mark.slow  # about 60 s with its uninterrupted reference; the slow step also kills at random
-def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
-    # killed while a checkpoint is being written: the last good one resumes bitwise; kills at
-    # random moments (half of them inside a save) are the slow test below
-    kill_and_resume(tmp_path / "a", uninterrupted, random.Random(0), inside_save=True)
+@pytest.mark.slow  # ten trials, each its own test so that CI's two workers share them
+@pytest.mark.parametrize("trial", range(10))
+def test_ten_random_sigkills(tmp_path, uninterrupted, trial):
+    kill_and_resume(tmp_path, uninterrupted, random.Random(1000 + trial), inside_save=trial % 2 == 0)
 
 
-@pytest.mark.slow
-def test_ten_random_sigkills(tmp_path, uninterrupted):
-    rng = random.Random(1)
-    for trial in range(10):
-        kill_and_resume(tmp_path / f"trial{trial}", uninterrupted, rng, inside_save=trial % 2 == 0)
-
-
-@pytest.mark.slow  # 40 s; the default suite keeps the SIGKILL-inside-a-save resume
+@pytest.mark.slow  # 40 s
 def test_sigterm_saves_exits_zero_and_resumes(tmp_path, uninterrupted):
     workdir, out = tmp_path / "workdir", tmp_path / "final.npz"
     p = worker(workdir, out, slow=0.3)  # about 0.3 s per update

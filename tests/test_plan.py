@@ -53,7 +53,7 @@ def test_a_plan_that_does_not_fit_says_what_would(tiny_config):
     assert any("devices of this memory" in s for s in record.suggestions)
 
 
-def test_a_plan_with_layers_scanned_holds_the_same_state(tiny_config, tmp_path):
+def test_a_plan_with_layers_scanned_holds_the_same_state(tiny_config):
     unrolled = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32)
     scanned = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32,
                    scan_layers=True)
@@ -61,12 +61,15 @@ def test_a_plan_with_layers_scanned_holds_the_same_state(tiny_config, tmp_path):
     assert (scanned.n_params, scanned.layout) == (unrolled.n_params, unrolled.layout)
     for field in ("params_bytes", "optimizer_bytes", "gradient_bytes"):
         assert getattr(scanned, field) == getattr(unrolled, field), field
-    opt = tmp_path / "opt.json"
-    opt.write_text(json.dumps({"model_type": "opt", "architectures": ["OPTForCausalLM"],
-                               "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4,
-                               "num_hidden_layers": 2, "vocab_size": 128}))
+
+
+def test_a_family_that_runs_its_layers_unrolled_cannot_plan_them_scanned(tmp_path):
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128,
+                                "n_positions": 64}))
     with pytest.raises(PlanError, match="runs its layers unrolled"):
-        plan(str(opt), devices=8, device_memory="64MiB", seq_len=32, scan_layers=True)
+        plan(str(gpt2), devices=8, device_memory="64MiB", seq_len=32, scan_layers=True)
 
 
 def test_sizes_are_parsed():

@@ -37,8 +37,9 @@ def _modules(model):
     family = family_of(model.config.to_hf()["model_type"])
     sources = family.hf_sources(model.config, model.module_cls)
     out = {}
-    for kp, src in tree_util.tree_flatten_with_path(
-            sources, is_leaf=lambda x: isinstance(x, hf.Source))[0]:
+    for kp, src in tree_util.tree_flatten_with_path(sources, is_leaf=hf.is_source)[0]:
+        if isinstance(src, hf.Stacked):  # one parameter for every layer's module
+            continue
         path = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp)
         if path.endswith("/kernel") and src.name.endswith(".weight"):
             out[path] = (src.name[:-len(".weight")], bool(src.transpose))
@@ -55,6 +56,11 @@ def save_peft_adapters(model, lora, adapters, folder):
     ``peft.PeftModel.from_pretrained(<the transformers model>, folder)`` loads. Call it on every
     process; process 0 writes."""
     _check_pairs(adapters)
+    if getattr(model.config, "scan_layers", False):
+        raise ConfigError("save_peft_adapters: the model's layers are stacked (scan_layers=True), "
+                          "so each adapter holds every layer's, and PEFT's format has one module "
+                          "per layer. Fix: save_adapters (redcoast's format), or train with "
+                          "scan_layers=False.")
     if lora.stack_dims:
         raise ConfigError(f"save_peft_adapters: LoRA(stack_dims={lora.stack_dims}) adapts stacked "
                           "kernels, which PEFT's format (one module per kernel) cannot hold. Fix: "
