@@ -8,7 +8,7 @@ are compiled by the TPU compiler itself (``--target tpu-v4``) where libtpu is in
 (``pip install "jax[tpu]==<your jax>"``; no TPU needed), else on simulated CPU devices; the
 compiler column says which.
 
-``--scan-layers`` plans the Llama and OPT rows with their layers stacked and run by a scan (one
+``--scan-layers`` plans the Llama, OPT and T5 rows with their layers stacked and run by a scan (one
 layer compiled whatever their number; the other rows as they are).
 
     python benchmarks/table1.py [--rows NAME ...] [--param-dtype bfloat16] [--cpu-only]
@@ -40,7 +40,7 @@ ROWS = {
     # not in the paper: 80 layers, where compiling every layer unrolled takes minutes
     "llama-2-70b": ("llama-2-70b", 64, 16, "32GiB", 4096, "16 hosts x 4 TPU-v4 (80 layers)"),
 }
-SCANNABLE = ("llama", "opt")  # families whose layers redcoast can stack and scan
+SCANNABLE = ("llama", "opt", "t5")  # families whose layers redcoast can stack and scan
 
 
 def has_libtpu():
@@ -88,7 +88,7 @@ def main():
                         "request)")
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--scan-layers", action="store_true",
-                        help="the Llama and OPT rows with their layers stacked and scanned")
+                        help="the Llama, OPT and T5 rows with their layers stacked and scanned")
     parser.add_argument("--cpu-only", action="store_true",
                         help="simulated CPU devices for every row, even where libtpu is installed")
     args = parser.parse_args()

@@ -238,7 +238,7 @@ def _check_scannable(model_type):
     from .models.pretrained import family_of
     if "scan_layers" not in {f.name for f in dataclasses.fields(family_of(model_type).Config)}:
         raise PlanError(f"--scan-layers: redcoast's {model_type} model runs its layers unrolled "
-                        "(layers stacked for a scan: the Llama and OPT families). Fix: plan without "
+                        "(layers stacked for a scan: the Llama, OPT and T5 families). Fix: plan without "
                         "--scan-layers.")
 
 
@@ -290,7 +290,7 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
     ``target``: "cpu" compiles for simulated CPU devices, standing in for the target's
     compiler; "tpu-v4" with the TPU compiler for a TPU v4 slice of ``devices`` chips (libtpu
     installed; no TPU needed). ``scan_layers``: the model's layers stacked and run by a scan,
-    so that the compiler sees one layer (Llama and OPT families; the run must use the same
+    so that the compiler sees one layer (Llama, OPT and T5 families; the run must use the same
     setting).
 
     For "cpu", runs in a fresh process when this one does not have ``devices`` CPU devices."""
@@ -356,7 +356,7 @@ def main(argv):
     parser.add_argument("--no-remat", dest="remat", action="store_false")
     parser.add_argument("--scan-layers", action="store_true",
                         help="the layers stacked and run by a scan: one layer compiled whatever "
-                        "their number (Llama and OPT families; train with scan_layers=True too)")
+                        "their number (Llama, OPT and T5 families; train with scan_layers=True too)")
     parser.add_argument("--target", default="cpu", choices=TARGETS,
                         help="whose compiler gives the memory: 'cpu' (default) simulated CPU "
                         "devices standing in; 'tpu-v4' the TPU compiler for a v4 slice (needs "

@@ -33,12 +33,14 @@ def _pair(family="llama", **overrides):
     return (Model(module, config), Model(module, dataclasses.replace(config, scan_layers=True)))
 
 
+def _stacked(layers, n_layers):
+    """``{"0": layer, "1": ...}`` as one tree of stacked leaves."""
+    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[layers[str(i)] for i in range(n_layers)])
+
+
 def _stack(params, n_layers):
     """Unrolled params (``layers/0``, ``layers/1``, ...) with the layers stacked."""
-    out = dict(params)
-    out["layers"] = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
-                                           *[params["layers"][str(i)] for i in range(n_layers)])
-    return out
+    return dict(params, layers=_stacked(params["layers"], n_layers))
 
 
 def _assert_equal_trees(a, b, **tol):
@@ -218,3 +220,41 @@ def test_fsdp_gathers_a_stacked_weight_one_layer_at_a_time(monkeypatch):
     reference, _, _ = _fsdp_trainer(unrolled, params)
     reference.train(examples, per_device_batch_size=2, shuffle=False)
     _assert_equal_trees(trainer.params, _stack(reference.params, 3), atol=2e-6, rtol=1e-5)
+
+
+def test_a_scanned_t5_computes_what_the_unrolled_one_does(tmp_path):
+    """Encoder and decoder blocks stacked (each decoder layer's cross-attention K/V scanned with
+    it): logits and gradients of teacher forcing, cached generation and folders as unrolled."""
+    from redcoast.models import t5
+    from redcoast.models.generate_seq2seq import generate as generate_seq2seq
+    config = t5.Config(vocab_size=V, d_model=32, d_kv=8, d_ff=48, num_layers=3,
+                       num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                       tie_word_embeddings=False, remat=True)
+    unrolled = Model(t5.T5ForConditionalGeneration, config)
+    scanned = Model(t5.T5ForConditionalGeneration, dataclasses.replace(config, scan_layers=True))
+    params = unrolled.init(0)
+    stacked = dict(params)
+    for name, n in (("encoder", 3), ("decoder", 2)):
+        stacked[name] = dict(params[name], blocks=_stacked(params[name]["blocks"], n))
+    assert jax.tree_util.tree_structure(stacked) == jax.tree_util.tree_structure(
+        scanned.abstract_params())
+    ids, mask = _batch()
+    dec = ids[:, :5]
+    want = unrolled.apply(params, ids, mask, dec)  # logits of order 10 (T5's N(0, 1) embedding)
+    _assert_equal_trees(scanned.apply(stacked, ids, mask, dec), want,
+                        atol=1e-6 * float(np.abs(want).max()), rtol=0)
+    grads = [jax.grad(lambda p, m=m: (m.apply(p, ids, mask, dec) ** 2).mean())(p)
+             for m, p in ((scanned, stacked), (unrolled, params))]
+    # each leaf to 1e-5 of its own scale: T5's activations are of order 10 and more (N(0, 1)
+    # embeddings, unscaled attention), so float32 summation order alone moves ~1e-6 of it
+    for (path, got), want in zip(
+            jax.tree_util.tree_leaves_with_path(grads[0]["decoder"]["blocks"]),
+            jax.tree_util.tree_leaves(_stacked(grads[1]["decoder"]["blocks"], 2))):
+        np.testing.assert_allclose(got, want, atol=1e-5 * float(np.abs(want).max()), rtol=0,
+                                   err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(
+        generate_seq2seq(scanned, stacked, ids, mask, max_new_tokens=4),
+        generate_seq2seq(unrolled, params, ids, mask, max_new_tokens=4))
+    save_pretrained(scanned, stacked, str(tmp_path / "scanned"))
+    _, back = from_pretrained(str(tmp_path / "scanned"))  # read unrolled: bitwise
+    _assert_equal_trees(back, params, atol=0, rtol=0)

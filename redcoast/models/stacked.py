@@ -28,18 +28,22 @@ def stacked_layers(make_layer, n_layers, rngs):
     return nnx.merge(graphdef, state)
 
 
-def scan_layers(layers, x, body, remat=False):
+def scan_layers(layers, x, body, remat=False, xs=None):
     """``x`` through every layer of ``layers`` (from :func:`stacked_layers`) in order:
-    ``x = body(layer, x)`` under a scan; ``remat``: each layer's activations recomputed in the
-    backward pass (only the carry between layers is kept)."""
+    ``x = body(layer, x)`` under a scan, or ``body(layer, x, xs_i)`` with ``xs`` (a pytree
+    whose leaves have a leading axis of layers: each layer's own inputs); ``remat``: each
+    layer's activations recomputed in the backward pass (only the carry between layers is
+    kept)."""
     graphdef, state = nnx.split(layers)
 
-    def step(carry, layer_state):
-        return body(nnx.merge(graphdef, layer_state), carry), None
+    def step(carry, slices):
+        layer_state, layer_xs = slices
+        layer = nnx.merge(graphdef, layer_state)
+        return (body(layer, carry) if xs is None else body(layer, carry, layer_xs)), None
 
     if remat:  # no CSE barrier needed inside a scan body (the loop keeps the recomputation apart)
         step = jax.checkpoint(step, prevent_cse=False)
-    return jax.lax.scan(step, x, state)[0]
+    return jax.lax.scan(step, x, (state, xs))[0]
 
 
 def layer_at(layers, i):

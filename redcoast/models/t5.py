@@ -28,6 +28,7 @@ from flax import nnx
 
 from ..errors import ConfigError
 from .activations import ACTIVATIONS
+from . import hf, stacked
 from .hf import Source
 from .layers import RMSNorm, write_cache
 
@@ -52,6 +53,7 @@ class Config:
     eos_token_id: int | tuple = 1
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False  # the blocks of each stack stacked and run by a scan (stacked.py)
 
     def __post_init__(self):
         if self.num_decoder_layers is None:
@@ -269,16 +271,29 @@ class Stack(nnx.Module):
         n = config.num_decoder_layers if decoder else config.num_layers
         self.relative_attention_bias = RelativeBias(config, bidirectional=not decoder, rngs=rngs,
                                                     param_dtype=param_dtype)
-        self.blocks = nnx.List([Block(config, cross=decoder, rngs=rngs, param_dtype=param_dtype)
-                                for _ in range(n)])
+        if config.scan_layers:
+            self.blocks = stacked.stacked_layers(
+                lambda r: Block(config, cross=decoder, rngs=r, param_dtype=param_dtype), n, rngs)
+        else:
+            self.blocks = nnx.List([Block(config, cross=decoder, rngs=rngs,
+                                          param_dtype=param_dtype) for _ in range(n)])
+        self.n_blocks = n
         self.final_norm = _norm(config, param_dtype)
 
     def __call__(self, h, bias, mask, cross_kv=None, cross_mask=None, cache=None, cache_index=None):
+        c = self.config
+        if c.scan_layers and cache is None:  # each layer's cross-attention K/V scanned with it
+            kv = None if cross_kv is None else jax.tree_util.tree_map(
+                lambda *a: jnp.stack(a), *[cross_kv["layers"][str(i)] for i in range(self.n_blocks)])
+            h = stacked.scan_layers(self.blocks, h, lambda blk, x, layer_kv=None: blk(
+                x, bias, mask, layer_kv, cross_mask)[0], remat=c.remat, xs=kv)
+            return self.final_norm(h), None
         call = (lambda blk, *a: blk(*a))
-        if self.config.remat:
+        if c.remat:
             call = nnx.remat(call)
         new_cache = None if cache is None else {"layers": {}}
-        for i, block in enumerate(self.blocks):
+        for i in range(self.n_blocks):
+            block = self.block(i)
             layer_cache = None if cache is None else cache["layers"][str(i)]
             layer_kv = None if cross_kv is None else cross_kv["layers"][str(i)]
             h, layer_new = call(block, h, bias, mask, layer_kv, cross_mask, layer_cache,
@@ -286,6 +301,10 @@ class Stack(nnx.Module):
             if cache is not None:
                 new_cache["layers"][str(i)] = layer_new
         return self.final_norm(h), new_cache
+
+    def block(self, i):
+        """Block ``i`` as a module of its own (of the stack, when the blocks are stacked)."""
+        return stacked.layer_at(self.blocks, i) if self.config.scan_layers else self.blocks[i]
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -328,8 +347,8 @@ class T5ForConditionalGeneration(nnx.Module):
         """Every decoder layer's cross-attention keys and values, computed once per input:
         {"layers": {"i": {"k": [B, S, heads, d_kv], "v": ...}}}."""
         out = {}
-        for i, block in enumerate(self.decoder.blocks):
-            k, v = block.cross_attn.kv(encoder_hidden.astype(self.config.dtype))
+        for i in range(self.decoder.n_blocks):
+            k, v = self.decoder.block(i).cross_attn.kv(encoder_hidden.astype(self.config.dtype))
             out[str(i)] = {"k": k, "v": v}
         return {"layers": out}
 
@@ -432,7 +451,9 @@ def _stack_sources(config, stack, decoder):
     return {
         "relative_attention_bias": {"embedding": Source(
             f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")},
-        "blocks": {str(i): _block_sources(config, stack, i, decoder) for i in range(n)},
+        "blocks": (hf.stack_sources([_block_sources(config, stack, i, decoder) for i in range(n)])
+                   if config.scan_layers else
+                   {str(i): _block_sources(config, stack, i, decoder) for i in range(n)}),
         "final_norm": {"scale": Source(f"{stack}.final_layer_norm.weight")},
     }
 
