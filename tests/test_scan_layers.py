@@ -72,7 +72,7 @@ def test_a_scanned_model_computes_what_the_unrolled_one_does(family, remat):
     _assert_equal_trees(jax.grad(loss(scanned))(stacked),
                         _stack(jax.grad(loss(unrolled))(params), TINY.num_hidden_layers),
                         atol=1e-7, rtol=1e-5)
-    if not remat:  # decoding with a KV cache reads the stack one layer at a time
+    if family == "llama" and not remat:  # decoding with a cache reads one layer at a time
         np.testing.assert_array_equal(generate(scanned, stacked, ids, mask, max_new_tokens=4),
                                       generate(unrolled, params, ids, mask, max_new_tokens=4))
 
