@@ -51,3 +51,25 @@ def test_a_step_within_the_device_memory_trains_as_without_a_budget():
     assert int(fitted.state.step) == int(free.state.step) > 0
     for a, b in zip(jax.tree_util.tree_leaves(fitted.params), jax.tree_util.tree_leaves(free.params)):
         np.testing.assert_array_equal(a, b)
+
+
+# as libtpu 0.0.50.1 (jax 0.12.0.1) words it for OPT-66B on 64 v4 chips, unrolled into the scan
+TPU_REFUSAL = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+               "memory required for HLO temporaries (104.66G) exceeds available HBM (30.75G). "
+               "HLO module: jit_step.")
+
+
+def test_a_compiler_that_refuses_the_step_stops_the_run_with_the_memory_explained(monkeypatch):
+    from redcoast import step_meter
+    from redcoast.memory_check import refused_temporaries
+    assert refused_temporaries(RuntimeError(TPU_REFUSAL)) == int(104.66 * 2**30)
+    assert refused_temporaries(RuntimeError("RESOURCE_EXHAUSTED: out of host memory")) is None
+
+    def refuse(self, state, batch, key):  # what the TPU compiler does instead of returning
+        raise jax.errors.JaxRuntimeError(TPU_REFUSAL)
+    monkeypatch.setattr(step_meter.StepMeter, "_compiled", refuse)
+    t = trainer(budget=2**30)
+    with pytest.raises(ConfigError, match=r"(?s)does not fit the device: it needs 104\.6. GiB.*"
+                                          r"the compiler refused the step.*Nothing was trained"):
+        t.fit(examples(), per_device_batch_size=4, n_epochs=1)
+    assert int(t.state.step) == 0
