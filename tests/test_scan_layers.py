@@ -93,6 +93,16 @@ def test_the_scan_traces_one_layer_whatever_the_depth():
     assert n_matmuls(dataclasses.replace(deep, scan_layers=True)) == n_matmuls(
         dataclasses.replace(TINY, num_hidden_layers=1, scan_layers=True))
     assert n_matmuls(deep) > n_matmuls(TINY)  # the unrolled model traces every layer
+    from redcoast.models import t5  # T5 too, the decoder's cross-attention K/V included
+
+    def t5_matmuls(layers):
+        model = Model(t5.T5ForConditionalGeneration, t5.Config(
+            vocab_size=V, d_model=32, d_kv=8, d_ff=48, num_layers=layers, num_heads=4,
+            scan_layers=True))
+        ids = _batch()[0]
+        return str(jax.make_jaxpr(model.apply)(model.abstract_params(), ids, None, ids)).count(
+            "dot_general")
+    assert t5_matmuls(6) == t5_matmuls(1)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

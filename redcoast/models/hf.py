@@ -142,10 +142,6 @@ class Stacked:
 
     layers: tuple
 
-    @property
-    def name(self):  # for messages: the first layer's tensor
-        return self.layers[0].name
-
 
 def stack_sources(per_layer):
     """One tree of :class:`Stacked` from a list of per-layer trees of :class:`Source`."""

@@ -302,8 +302,7 @@ def hf_tensors(model, params):
                           jax.tree_util.tree_leaves(params)):
         stacked = isinstance(src, hf.Stacked)
         for i, (part, part_shape) in enumerate(hf.parts(src, np.shape(value))):
-            shape = tuple(reversed(part_shape)) if part.transpose else part_shape
-            shape = shape if part.shape is None else tuple(part.shape)
+            shape = hf.stored_shape(part, part_shape)
 
             def fetch(value=value, part=part, shape=shape, row=i if stacked else None):
                 array = host_array(value) if row is None else host_row(value, row)

@@ -280,14 +280,20 @@ class Stack(nnx.Module):
         self.n_blocks = n
         self.final_norm = _norm(config, param_dtype)
 
-    def __call__(self, h, bias, mask, cross_kv=None, cross_mask=None, cache=None, cache_index=None):
+    def __call__(self, h, bias, mask, cross_kv=None, cross_mask=None, cache=None, cache_index=None,
+                 encoder_hidden=None):
+        """``cross_kv``: each layer's cross-attention K/V (:meth:`T5ForConditionalGeneration.
+        cross_kv`); or, stacked blocks without a cache, ``encoder_hidden``, from which each
+        block computes its own inside the scan."""
         c = self.config
-        if c.scan_layers and cache is None:  # each layer's cross-attention K/V scanned with it
-            kv = None if cross_kv is None else jax.tree_util.tree_map(
-                lambda *a: jnp.stack(a), *[cross_kv["layers"][str(i)] for i in range(self.n_blocks)])
-            h = stacked.scan_layers(self.blocks, h, lambda blk, x, layer_kv=None: blk(
-                x, bias, mask, layer_kv, cross_mask)[0], remat=c.remat, xs=kv)
-            return self.final_norm(h), None
+        if c.scan_layers and cache is None and cross_kv is None:
+            def body(blk, x):
+                kv = None
+                if encoder_hidden is not None:
+                    k, v = blk.cross_attn.kv(encoder_hidden.astype(c.dtype))
+                    kv = {"k": k, "v": v}
+                return blk(x, bias, mask, kv, cross_mask)[0]
+            return self.final_norm(stacked.scan_layers(self.blocks, h, body, remat=c.remat)), None
         call = (lambda blk, *a: blk(*a))
         if c.remat:
             call = nnx.remat(call)
@@ -367,9 +373,12 @@ class T5ForConditionalGeneration(nnx.Module):
         del positions
         c = self.config
         b, t = decoder_input_ids.shape
-        if cross_kv is None:
+        # stacked blocks without a cache compute their cross-attention K/V inside the scan
+        in_scan = c.scan_layers and cache is None and cross_kv is None
+        if cross_kv is None and not in_scan:
             cross_kv = self.cross_kv(encoder_hidden)
-        enc_len = cross_kv["layers"]["0"]["k"].shape[1] if cross_kv["layers"] else 0
+        enc_len = (encoder_hidden.shape[1] if in_scan else
+                   cross_kv["layers"]["0"]["k"].shape[1] if cross_kv["layers"] else 0)
         cross_mask = _key_mask(encoder_mask, b, enc_len)
         if cache is None:
             q_pos = k_pos = jnp.arange(t)
@@ -385,7 +394,8 @@ class T5ForConditionalGeneration(nnx.Module):
                 & (k_pos[None, :] <= q_pos[:, None])[None, None])
         bias = self.decoder.relative_attention_bias(q_pos, k_pos)
         h, new_cache = self.decoder(self.shared(decoder_input_ids), bias, mask, cross_kv,
-                                    cross_mask, cache, cache_index)
+                                    cross_mask, cache, cache_index,
+                                    encoder_hidden=encoder_hidden if in_scan else None)
         if c.scale_decoder_outputs:
             h = h * (c.d_model ** -0.5)
         logits = self.shared.attend(h) if c.tie_word_embeddings else self.lm_head(h)

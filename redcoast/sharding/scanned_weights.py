@@ -38,10 +38,7 @@ def scanned_leaves(closed, weights):
         for eqn in jaxpr.eqns:
             ins = [weight_origins.of(origins, v) for v in eqn.invars]
             if eqn.primitive.name == "scan":
-                n_consts, n_carry, _ = scan_operand_groups(eqn)
-                for o in ins[n_consts + n_carry:]:
-                    if _whole(o):
-                        found.add(index[o.weight.path])
+                found.update(index[o.weight.path] for _, o in _scanned_weights(eqn, ins))
             elif eqn.primitive.name in _INLINE:
                 sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
                 visit(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub, ins)
@@ -51,8 +48,12 @@ def scanned_leaves(closed, weights):
     return found
 
 
-def _whole(origin):
-    return origin is not None and origin.axes == tuple(range(len(origin.weight.shape)))
+def _scanned_weights(eqn, ins):
+    """``[(operand index, Origin)]``: the scanned inputs of the scan ``eqn`` that are a
+    parameter whole (``ins``: its operands' origins), the parameter's leading axis the loop's."""
+    n_consts, n_carry, _ = scan_operand_groups(eqn)
+    return [(k, o) for k, o in enumerate(ins) if k >= n_consts + n_carry and o is not None
+            and o.axes == tuple(range(len(o.weight.shape)))]
 
 
 def gather_layer_by_layer(fn, mesh, weights, layer_specs):
@@ -84,9 +85,8 @@ def _evaluate(jaxpr, consts, args, arg_origins, mesh, weights, layer_specs):
         ins = [weight_origins.of(origins, v) for v in eqn.invars]
         name = eqn.primitive.name
         if name == "scan":
-            n_consts, n_carry, _ = scan_operand_groups(eqn)
-            specs = {k: layer_specs[index[o.weight.path]] for k, o in enumerate(ins)
-                     if k >= n_consts + n_carry and _whole(o) and index[o.weight.path] in layer_specs}
+            specs = {k: layer_specs[index[o.weight.path]] for k, o in _scanned_weights(eqn, ins)
+                     if index[o.weight.path] in layer_specs}
             outs = bind(eqn, vals, dict(eqn.params, jaxpr=_constrained_body(
                 eqn.params["jaxpr"], specs, mesh))) if specs else bind(eqn, vals)
         elif name in _INLINE:
