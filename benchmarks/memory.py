@@ -8,8 +8,8 @@ shardings, and measure the live arrays (bytes of each array's shard on device 0)
   n_model_shards + bytes of those it replicates; K/V kept by groups of shards / groups); 1.00
   means every split is even.
 - 'state / (total/8)': parameter + optimizer-state bytes per device over their total / 8, without
-  and with FSDP. FSDP runs here with no size threshold (``min_bytes=0``): every tensor of these
-  tiny models is below the Trainer's 1 MiB default, which would leave them all replicated over dp.
+  and with FSDP on every tensor (``fsdp=True``'s plan; the Trainer's default weighs each
+  tensor's gather against the step's time, redcoast/fsdp_cost.py).
   Tensors the plan replicates over the model shards are split over dp and mp together.
   With mp = 8 there is one data shard, so FSDP changes nothing.
 
@@ -66,7 +66,7 @@ def measure(name, n):
     mp_ratio = per_device(params) / ideal
     mp_state = per_device((params, opt)) / (total((params, opt)) / 8)
 
-    fsdp = fsdp_placements(mp, 8 // n, min_bytes=0, n_model_shards=n)
+    fsdp = fsdp_placements(mp, 8 // n, n_model_shards=n)
     params, opt = live_state(ShardingPlan(arch.params, mesh, base_placements=fsdp), arch.params)
     fsdp_state = per_device((params, opt)) / (total((params, opt)) / 8)
     return {"replicated": replicated / (split + replicated), "mp_ratio": mp_ratio,

@@ -20,6 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .cost_model import choose, estimate, format_table
 from .errors import ConfigError
+from .flops import traced_flops
+from .fsdp_cost import choose_fsdp, per_device_flops
 from .sharding import ShardingPlan
 from .sharding.context import laid_out_for
 from .sharding.dataflow import traced_placements
@@ -42,16 +44,21 @@ class Recipe:
     params_sharding_rules: Any = None
 
 
+BY_COST = "by cost"  # Candidate.fsdp: the tensors worth splitting (fsdp_cost.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One setting of the layout choices."""
+    """One setting of the layout choices. ``fsdp``: True (every tensor it can), False, or
+    ``BY_COST`` (the tensors whose gathers the step can afford, fsdp_cost.py)."""
     n_model_shards: int
-    fsdp: bool
+    fsdp: bool | str
     fuse_matmuls: bool
 
     @property
     def name(self):
-        return (f"mp={self.n_model_shards}, fsdp={'on' if self.fsdp else 'off'}, "
+        fsdp = self.fsdp if self.fsdp == BY_COST else ("on" if self.fsdp else "off")
+        return (f"mp={self.n_model_shards}, fsdp={fsdp}, "
                 f"fusion={'on' if self.fuse_matmuls else 'off'}")
 
 
@@ -131,11 +138,14 @@ def frozen_shardings(frozen, mesh):
 
 def shape_plan(recipe, candidate, mesh, params):
     """The plan from the parameters' shapes alone (before any batch has been traced)."""
-    return ShardingPlan(params, mesh, user_rules=recipe.params_sharding_rules, fsdp=candidate.fsdp)
+    return ShardingPlan(params, mesh, user_rules=recipe.params_sharding_rules,
+                        fsdp=bool(candidate.fsdp))
 
 
-def trace_plan(recipe, candidate, mesh, state, abstract_batch):
-    """(plan, where it came from): traced from the loss on one (abstract) micro-batch."""
+def trace_plan(recipe, candidate, mesh, state, abstract_batch, platform="cpu", budget_bytes=None):
+    """(plan, where it came from): traced from the loss on one (abstract) micro-batch. FSDP
+    ``BY_COST`` weighs each tensor's gather against the step's time on ``platform`` and the
+    training state against a device's ``budget_bytes`` (fsdp_cost.py)."""
     def traced_loss(params, batch):
         return recipe.loss_fn(jax.random.PRNGKey(0), state,
                               cast_floating(params, recipe.compute_dtype), batch, True)
@@ -153,9 +163,28 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch):
         placements, source = traced_placements(traced_loss, state.params, abstract_batch,
                                                n_model_shards=candidate.n_model_shards,
                                                group_kv_heads=grouped)
+    keep, note = frozenset(), ""
+    if candidate.fsdp == BY_COST:
+        unsplit = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
+                               base_placements=placements, permutations=permutations)
+        flops = per_device_flops(traced_flops(traced_loss, state.params, abstract_batch), mesh.size)
+        choice = choose_fsdp(unsplit.before_fsdp, dict(mesh.shape), platform, flops,
+                             len(mesh.local_devices), _state_bytes_per_param_byte(state),
+                             budget_bytes)
+        keep, note = choice.keep, choice.note
     plan = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
-                        base_placements=placements, fsdp=candidate.fsdp, permutations=permutations)
+                        base_placements=placements, fsdp=bool(candidate.fsdp),
+                        permutations=permutations, fsdp_keep=keep, fsdp_note=note)
     return plan, source
+
+
+def _state_bytes_per_param_byte(state):
+    """What one byte of trained parameters costs a device: itself, its gradient and its share of
+    the optimizer state."""
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize  # noqa: E731
+                              for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
+    params = nbytes(state.params)
+    return 2.0 + nbytes(state.opt_state) / params if params else 3.0
 
 
 def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' shapes", final=True):
@@ -275,7 +304,7 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
                 mesh = make_mesh(c.n_model_shards)
                 batches[c.n_model_shards] = mesh, batch_for(mesh)
             mesh, abstract = batches[c.n_model_shards]
-            plan, source = trace_plan(recipe, c, mesh, state, abstract)
+            plan, source = trace_plan(recipe, c, mesh, state, abstract, platform, budget_bytes)
             traced[c] = (plan, source, abstract, mesh)
         return traced[c]
 

@@ -22,7 +22,7 @@ from .fit_run import Evaluation, FitRun, Schedule, epochs_of
 from .initial_state import initial_state, with_opt_state, with_params
 from .host import to_host
 from .launch import heartbeat
-from .layout import Candidate, Recipe, build_layout, lower_train_step
+from .layout import BY_COST, Candidate, Recipe, build_layout, lower_train_step
 from .layout_check import check_or_raise, first_rows
 from .layout_choice import batches_like, choose_run_layout, moved_to
 from .predictor import Predictor
@@ -37,13 +37,14 @@ class Trainer:
     ``(loss, {name: scalar})``; ``params`` arrive in ``compute_dtype``. Parameter placement comes
     from ``params_sharding_rules`` (the paper's format) where given, automatic rules elsewhere.
     ``train_step_fn(state, batch, rng) -> (state, metrics)`` replaces the built-in step.
-    ``fsdp=True`` also splits large parameters and their optimizer state over the data-parallel
-    axis (ZeRO-3), so each device holds about 1/device_count of them; ``fsdp=False`` keeps one
-    copy per data shard. ``fuse_matmuls=True`` runs sibling matmuls (Q/K/V, gate/up) of a split
-    model as one, so the step moves Megatron-LM's bytes between model shards. Left None (the
-    default), each is decided at the first batch from the compiled steps of the candidate layouts
-    (redcoast/layout.py): the fastest by XLA's cost and memory analyses that fits a device;
-    ``trainer.layout`` says which and why.
+    ``fsdp=True`` also splits every parameter it can and its optimizer state over the
+    data-parallel axis (ZeRO-3), so each device holds about 1/device_count of them; ``fsdp=False``
+    keeps one copy per data shard; None (the default) splits the tensors whose gathers cost the
+    step less than 2% of its estimated time, largest first, and all of them where the state would
+    fill half a device (redcoast/fsdp_cost.py; decided at the first batch without compiling).
+    ``fuse_matmuls=True`` (the default with the built-in step) runs sibling matmuls (Q/K/V,
+    gate/up) of a split model as one, so the step moves Megatron-LM's bytes between model shards.
+    ``trainer.layout`` says what was chosen and why.
     ``log_grad_norm=True`` logs the global norm of each update's gradient as ``train_grad_norm``
     (off by default: one more reduction and all-reduce in the step, +12% on a small CPU run).
     Logged throughput: ``train_step_time_s``, ``train_examples_per_s``, ``train_tokens_per_s``
@@ -78,10 +79,11 @@ class Trainer:
         self.train_step_fn = train_step_fn
         self.recipe = Recipe(loss_fn, compute_dtype, accumulate_grad_batches, train_step_fn,
                              bool(log_grad_norm), params_sharding_rules)
-        # None: chosen at the first batch (choose_layout); until then FSDP on, fusion off
-        self._options = {"fsdp": [False, True] if fsdp is None else [bool(fsdp)],
-                         "fuse_matmuls": ([False, True] if fuse_matmuls is None and train_step_fn is None
-                                          else [bool(fuse_matmuls)])}
+        # None: FSDP of the tensors worth splitting, decided at the first batch (fsdp_cost.py;
+        # until then FSDP on), and fusion with the built-in step (sharding/fusion.py)
+        self._options = {"fsdp": [BY_COST] if fsdp is None else [bool(fsdp)],
+                         "fuse_matmuls": [train_step_fn is None if fuse_matmuls is None
+                                          else bool(fuse_matmuls)]}
         self._start(params, optimizer, apply_fn, frozen_params,
                     Candidate(deployer.n_model_shards, fsdp is not False, bool(fuse_matmuls)))
 

@@ -55,7 +55,7 @@ def test_a_user_rule_with_groups_that_do_not_divide_the_shards_is_refused():
 
 def test_fsdp_stores_a_grouped_tensor_over_all_devices():
     pl = Placement(("k",), (64, 2, 4), np.float32, P(None, "mp:2"), "K/V heads")
-    out, = fsdp_placements([pl], 2, min_bytes=0, n_model_shards=4)
+    out, = fsdp_placements([pl], 2, n_model_shards=4)
     assert out.spec == P(("dp", "mp"))
     assert out.bytes_per_device({"dp": 2, "mp": 4}) == 64 * 2 * 4 * 4 // 8
 

@@ -80,9 +80,10 @@ def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projec
     assert k.spec == kv_spec
 
 
-def test_left_to_choose_fusion_is_decided_by_the_compiled_steps_estimates():
-    # fuse_matmuls=None: both steps are compiled and the one the cost model (layout.py) finds
-    # cheaper is kept; checked against the two steps compiled with fusion forced on and off
+def test_fusion_is_on_by_default_and_never_costs_more_than_the_step_as_written():
+    # fuse_matmuls=None: on with the built-in step, without comparing; the compiled steps with
+    # fusion forced on and off show why: the fused one moves fewer bytes between model shards
+    from redcoast.comms import collective_report
     from redcoast.cost_model import estimate
 
     def trainer(fuse):
@@ -93,12 +94,12 @@ def test_left_to_choose_fusion_is_decided_by_the_compiled_steps_estimates():
                     params=arch.params, optimizer=optax.sgd(0.1), fsdp=False, fuse_matmuls=fuse)
         return t, t.compile_train_step(arch.batch), deployer.mesh
 
-    chosen, compiled, mesh = trainer(None)
-    costs = {fuse: estimate(c, m, "cpu").seconds for fuse, (_, c, m) in
-             ((f, trainer(f)) for f in (False, True))}
-    assert chosen.layout.fuse_matmuls == (costs[True] < costs[False])
-    assert chosen.layout.estimate.seconds == pytest.approx(min(costs.values()))
-    assert chosen.layout.table.count("fusion=") == 2 and "<- chosen" in chosen.layout.table
+    chosen, _, _ = trainer(None)
+    assert chosen.layout.fuse_matmuls and not chosen.layout.considered  # nothing compiled to compare
+    steps = {fuse: trainer(fuse)[1:] for fuse in (False, True)}
+    costs = {fuse: estimate(c, m, "cpu").seconds for fuse, (c, m) in steps.items()}
+    wire = {fuse: collective_report(c, m).wire_bytes(axis="mp") for fuse, (c, m) in steps.items()}
+    assert costs[True] <= costs[False] and wire[True] < wire[False]
 
 
 def test_a_loss_the_fusion_cannot_run_trains_as_written_with_a_warning(monkeypatch):

@@ -7,13 +7,12 @@ tensor-parallel plan replicates (a fused QKV it could not split) or splits over 
 model shards (K/V with fewer heads than shards) is split over both axes, ('dp', 'mp'), when a
 dimension divides by the device count: otherwise every model shard (group) would keep a 1/dp copy
 of it. XLA all-gathers a parameter where the step uses it and reduce-scatters its gradient; the
-batch stays split over 'dp' as before. Small tensors (biases, norms) stay replicated over 'dp':
-splitting them saves little memory and costs one collective each.
+batch stays split over 'dp' as before. Which tensors are worth splitting (each split costs the
+step a collective) is decided by their cost, in fsdp_cost.py: the ones it ``keep``s stay
+replicated over 'dp'.
 """
 
 import dataclasses
-
-import numpy as np
 
 from .annotations import REASON as ANNOTATION
 from .grouped_axes import parse as parse_grouped
@@ -21,10 +20,7 @@ from .rules import _as_tuple
 
 DP = "dp"
 MP = "mp"
-# Tensors smaller than this stay replicated over 'dp'. Each split tensor costs an all-gather
-# and a reduce-scatter per step; below 1 MiB the memory saved does not pay for them (measured on
-# 8 simulated CPU devices: a 0.7 M-parameter model with a 64 KiB threshold ran 2x slower).
-MIN_BYTES = 1024 * 1024
+KEPT = "; replicated over dp (by cost: see the FSDP line under the table)"
 
 
 def ungrouped_storage(placements, n_model_shards):
@@ -45,26 +41,37 @@ def ungrouped_storage(placements, n_model_shards):
     return out
 
 
-def fsdp_placements(placements, n_data_shards, min_bytes=MIN_BYTES, n_model_shards=1):
-    """The placements with 'dp' added to one dimension of every tensor of ``min_bytes`` or more
-    (('dp', 'mp') for tensors replicated over ``n_model_shards`` > 1 when a dimension divides).
+def fsdp_placements(placements, n_data_shards, n_model_shards=1, keep=frozenset()):
+    """The placements with 'dp' added to one dimension of every tensor whose path is not in
+    ``keep`` (('dp', 'mp') for tensors replicated over ``n_model_shards`` > 1 when a dimension
+    divides).
 
     A spec that already names 'dp' (a user rule) is kept as written; with one data shard
     nothing changes.
     """
     if n_data_shards <= 1:
         return list(placements)
-    return [_add_dp(pl, n_data_shards, n_model_shards, min_bytes) for pl in placements]
+    return [dataclasses.replace(pl, reason=pl.reason + KEPT) if pl.path in keep
+            else added_dp(pl, n_data_shards, n_model_shards) for pl in placements]
 
 
-def _add_dp(pl, n, n_model, min_bytes):
+def split_by_fsdp(pl, n_data_shards, n_model_shards=1):
+    """(the placement FSDP would give ``pl``, the number of devices the split adds: the data
+    shards, or all devices for a tensor split over both axes), or None if FSDP leaves it."""
+    if n_data_shards <= 1:
+        return None
+    out = added_dp(pl, n_data_shards, n_model_shards)
+    if out.spec == pl.spec:
+        return None
+    both = any(_as_tuple(axes) == (DP, MP) for axes in out.spec)
+    return out, n_data_shards * (n_model_shards if both else 1)
+
+
+def added_dp(pl, n, n_model):
+    """``pl`` with 'dp' added to one dimension (see fsdp_placements), or as it is."""
     spec = list(pl.spec) + [None] * (len(pl.shape) - len(pl.spec))
     if any(DP in _as_tuple(axes) for axes in spec) or pl.reason.startswith(ANNOTATION):
         return pl  # as the user wrote it
-    nbytes = int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
-    if nbytes < min_bytes:
-        why = f"; replicated over dp ({nbytes:,} bytes < {min_bytes:,})"
-        return dataclasses.replace(pl, reason=pl.reason + why)
     largest = lambda dims: max(dims, key=lambda d: (pl.shape[d], -d))  # noqa: E731 - first on a tie
     # a split over groups of the model shards (K/V heads, grouped_axes.py) keeps 1/groups of the
     # tensor per shard: over both axes it keeps 1/device_count, gathered by FSDP where used

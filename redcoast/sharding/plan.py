@@ -29,10 +29,12 @@ def splits_over_model_shards(specs):
 class ShardingPlan:
     """Where every parameter (and optimizer-state leaf) of a model lives on the mesh."""
 
-    def __init__(self, params, mesh, user_rules=None, base_placements=None, fsdp=False, permutations=None):
+    def __init__(self, params, mesh, user_rules=None, base_placements=None, fsdp=False, permutations=None,
+                 fsdp_keep=frozenset(), fsdp_note=""):
         """``base_placements`` (e.g. from the data-flow analysis) replace the structural rules
-        that read only the shapes; user rules override either. ``fsdp`` also splits large
-        tensors over 'dp' (see fsdp.py). ``permutations`` ({path: Permutation}, permuted.py):
+        that read only the shapes; user rules override either. ``fsdp`` also splits tensors
+        over 'dp' (see fsdp.py), all but the paths in ``fsdp_keep`` (as chosen by fsdp_cost.py,
+        which ``fsdp_note`` explains in the table). ``permutations`` ({path: Permutation}, permuted.py):
         fused projections the placements are for stored permuted; kept where the final
         placement splits them on that axis (``self.permutations``)."""
         self.mesh = mesh
@@ -52,9 +54,11 @@ class ShardingPlan:
         self.compute_placements = placements
         self.permutations = split_permutations(permutations or {}, placements)
         placements = ungrouped_storage(placements, n_model_shards)
+        self.before_fsdp = placements  # stored placements without FSDP: what fsdp_cost.py weighs
+        self.fsdp_note = fsdp_note if fsdp else ""
         if fsdp:
             placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1),
-                                         n_model_shards=self.axis_sizes.get("mp", 1))
+                                         n_model_shards=n_model_shards, keep=frozenset(fsdp_keep))
         self.placements = placements
         by_path = {pl.path: pl.spec for pl in placements}
         self.param_specs = jax.tree_util.tree_map_with_path(
@@ -129,8 +133,8 @@ class ShardingPlan:
         return format_rules(self.rules())
 
     def table(self):
-        note = self.nothing_to_split()
-        return format_plan(self.placements, self.axis_sizes) + (f"\n{note}" if note else "")
+        notes = [n for n in (self.fsdp_note, self.nothing_to_split()) if n]
+        return format_plan(self.placements, self.axis_sizes) + "".join(f"\n{n}" for n in notes)
 
 
 
