@@ -53,9 +53,9 @@ HAND_RULES = [
 ]
 
 
-def make_model():
+def make_model(layers=4):
     return Model(llama.LlamaForCausalLM, llama.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ))
 
 

@@ -13,6 +13,9 @@ without JAX's compilation cache, as a script does by default. Run from the repos
 
     python benchmarks/startup.py                 # about 5 minutes on 2 cores
     python benchmarks/startup.py --mesh 2x4 --repeats 5
+    python benchmarks/startup.py --layers 2 --steps 3   # issue 28's 2-layer, 4-update run
+
+The last column is a whole short run: the first update and ``--steps`` more.
 """
 
 import argparse
@@ -28,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAMS = ("defaults-first-run", "defaults-rerun", "fixed-layout", "hand-written")
 
 
-def one(program, mesh, workdir, steps):
+def one(program, mesh, workdir, steps, layers):
     """In a fresh process: seconds from building the trainer (or the step) to the end of the
     first update, then the median of ``steps`` more; printed as JSON."""
     sys.path.insert(0, os.path.dirname(HERE))
@@ -47,7 +50,7 @@ def one(program, mesh, workdir, steps):
     rng = np.random.default_rng(0)
     examples = [{"ids": rng.integers(0, b1.VOCAB, b1.SEQ + 1).astype(np.int32)}
                 for _ in range(b1.GLOBAL_BATCH)]
-    model, optimizer = b1.make_model(), optax.adamw(1e-3)
+    model, optimizer = b1.make_model(layers), optax.adamw(1e-3)
     params = jax.block_until_ready(model.init(0))
     per_device = b1.GLOBAL_BATCH // dp
     deployer = Deployer(n_model_shards=mp, verbose=False,
@@ -99,11 +102,12 @@ def one(program, mesh, workdir, steps):
     print(json.dumps({"to_first_update_s": times[0], "step_s": statistics.median(times[1:])}))
 
 
-def measure(program, mesh, workdir, steps, cache):
+def measure(program, mesh, workdir, steps, cache, layers):
     env = {**os.environ, "REDCOAST_CACHE": cache}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", program,
-                          "--mesh", mesh, "--workdir", workdir, "--steps", str(steps)],
+                          "--mesh", mesh, "--workdir", workdir, "--steps", str(steps),
+                          "--layers", str(layers)],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         sys.exit(f"{program} failed:\n{out.stderr[-3000:]}")
@@ -115,16 +119,17 @@ def main():
     ap.add_argument("--mesh", default="4x2", help="dp x mp")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="steady steps after the first")
+    ap.add_argument("--layers", type=int, default=4, help="the model's layers (B1: 4)")
     ap.add_argument("--one", choices=PROGRAMS, help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        return one(args.one, args.mesh, args.workdir, args.steps)
+        return one(args.one, args.mesh, args.workdir, args.steps, args.layers)
     results = {p: [] for p in PROGRAMS}
     with tempfile.TemporaryDirectory() as scratch:
         remembered = os.path.join(scratch, "remembered")
         kept = os.path.join(scratch, "remembered-cache")
-        measure("defaults-first-run", args.mesh, remembered, args.steps, kept)  # the rerun's
+        measure("defaults-first-run", args.mesh, remembered, args.steps, kept, args.layers)  # the rerun's
         for r in range(args.repeats):
             order = PROGRAMS[r % 4:] + PROGRAMS[:r % 4]
             for program in order:
@@ -132,16 +137,24 @@ def main():
                 workdir, cache = {"defaults-rerun": (remembered, kept),
                                   "hand-written": (fresh, "off")}.get(
                                       program, (fresh, fresh + "-cache"))
-                results[program].append(measure(program, args.mesh, workdir, args.steps, cache))
+                results[program].append(measure(program, args.mesh, workdir, args.steps, cache,
+                                                args.layers))
+    def run_s(x):
+        return x["to_first_update_s"] + args.steps * x["step_s"]
+
     hand = statistics.median(x["to_first_update_s"] for x in results["hand-written"])
     hand_step = statistics.median(x["step_s"] for x in results["hand-written"])
-    print(f"B1 on {args.mesh} (dp x mp), {args.repeats} alternating runs each; medians")
-    print(f"{'program':>20} {'to 1st update s':>16} {'/ hand':>7} {'step ms':>8} {'/ hand':>7}")
+    fixed_run = statistics.median(run_s(x) for x in results["fixed-layout"])
+    print(f"B1 ({args.layers} layers) on {args.mesh} (dp x mp), {args.repeats} alternating runs "
+          "each; medians")
+    print(f"{'program':>20} {'to 1st update s':>16} {'/ hand':>7} {'step ms':>8} {'/ hand':>7} "
+          f"{f'{args.steps + 1} updates s':>13} {'/ fixed':>8}")
     for program in PROGRAMS:
         first = statistics.median(x["to_first_update_s"] for x in results[program])
         step = statistics.median(x["step_s"] for x in results[program])
+        run = statistics.median(run_s(x) for x in results[program])
         print(f"{program:>20} {first:16.2f} {first / hand:7.2f} {step * 1e3:8.1f} "
-              f"{step / hand_step:7.2f}")
+              f"{step / hand_step:7.2f} {run:13.2f} {run / fixed_run:8.2f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ a latency per device in its group and its bytes (``RATES``).
 """
 
 import dataclasses
+import math
 import os
+
+import jax
+import numpy as np
 
 from .sharding.fsdp import split_by_fsdp
 
@@ -39,6 +43,15 @@ class FsdpChoice:
     """The tensors FSDP leaves replicated over 'dp' (``keep``), and why, in ``note``."""
     keep: frozenset
     note: str
+
+
+def state_fills_a_device(params, n_model_shards, budget_bytes, state_bytes_per_param_byte=3.0):
+    """Whether the training state of ``params`` split over the model shards alone would take
+    over ``PRESSURE`` of a device's ``budget_bytes``: then FSDP splits every tensor from the
+    start (before the first batch, when the by-cost choice is made, the parameters must fit)."""
+    total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                for x in jax.tree_util.tree_leaves(params) if hasattr(x, "dtype"))
+    return state_bytes_per_param_byte * total / max(1, n_model_shards) > PRESSURE * budget_bytes
 
 
 def flop_rate(platform, n_local_devices):

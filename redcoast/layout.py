@@ -6,10 +6,12 @@ train and eval steps (with the loss rewrite the candidate applies). The Trainer 
 swaps it in one assignment; nothing else keeps a piece of it.
 
 A :class:`Candidate` is one setting of the choices left to redcoast: the number of model shards
-(with ``n_model_shards='auto'``), FSDP on or off, sibling-matmul fusion on or off (which also keeps
-K/V heads by groups of shards). :func:`choose_layout` traces each candidate's plan from the loss,
-compiles the distinct ones for the first batch and keeps the fastest that fits a device by the
-cost model of cost_model.py; ``layout.table`` lists what was compared.
+(with ``n_model_shards='auto'``), FSDP on, off or by cost (fsdp_cost.py: decided from the traced
+plan, without compiling), sibling-matmul fusion on or off (which also keeps K/V heads by groups of
+shards). :func:`choose_layout` traces each candidate's plan from the loss; where several remain
+(several numbers of model shards, or options given as lists), it compiles the distinct ones for
+the first batch and keeps the fastest that fits a device by the cost model of cost_model.py;
+``layout.table`` lists what was compared.
 """
 
 import dataclasses
@@ -285,9 +287,9 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     ``fsdp_options`` x ``fuse_options``) the fastest that fits ``budget_bytes`` per device.
 
     ``batch_for(mesh)`` gives the first micro-batch (abstract) on a mesh; ``make_mesh(n)`` the
-    mesh with n model shards. One candidate: built, not compiled. Several numbers of model
-    shards (``'auto'``): each is first measured in its leanest setting (FSDP and fusion on
-    where they are options), from the fewest shards up, stopping once a count that fits costs
+    mesh with n model shards. One candidate (the Trainer's defaults: FSDP by cost, fusion on):
+    built, not compiled. Several numbers of model shards (``'auto'``): each is first measured
+    in its leanest setting (the last of the options), from the fewest shards up, stopping once a count that fits costs
     more per example than the one before; a count over which the plan splits nothing is not
     measured (its devices would repeat the same work); the other settings are compared at the
     best count only. A few compilations at the first batch in all. With a ``memory``

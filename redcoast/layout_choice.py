@@ -35,8 +35,7 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
             f"{time.perf_counter() - started:.1f} s"
             + (f"; the choice is remembered in {' and '.join(memory.places())} for the next run"
                if memory else "; a workdir would remember it for the next run")
-            + f" (fsdp={layout.candidate.fsdp}, fuse_matmuls={layout.candidate.fuse_matmuls} "
-            "in the Trainer skip the comparison).")
+            + f" (Deployer(n_model_shards={layout.n_model_shards}) skips the comparison).")
     if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
         deployer.log_warning(f"sharding plan from {layout.source}")
     if (len(shard_counts) == 1 and layout.plan.nothing_to_split()  # said always: n x the work

@@ -22,6 +22,7 @@ from .fit_run import Evaluation, FitRun, Schedule, epochs_of
 from .initial_state import initial_state, with_opt_state, with_params
 from .host import to_host
 from .launch import heartbeat
+from .fsdp_cost import state_fills_a_device
 from .layout import BY_COST, Candidate, Recipe, build_layout, lower_train_step
 from .layout_check import check_or_raise, first_rows
 from .layout_choice import batches_like, choose_run_layout, moved_to
@@ -84,8 +85,12 @@ class Trainer:
         self._options = {"fsdp": [BY_COST] if fsdp is None else [bool(fsdp)],
                          "fuse_matmuls": [train_step_fn is None if fuse_matmuls is None
                                           else bool(fuse_matmuls)]}
+        # placed before the first batch: FSDP by cost starts unsplit unless memory is tight
+        first_fsdp = (state_fills_a_device(params, deployer.n_model_shards,
+                                           deployer.device_memory_budget())
+                      if fsdp is None else bool(fsdp))
         self._start(params, optimizer, apply_fn, frozen_params,
-                    Candidate(deployer.n_model_shards, fsdp is not False, bool(fuse_matmuls)))
+                    Candidate(deployer.n_model_shards, first_fsdp, bool(fuse_matmuls)))
 
     def _start(self, params, optimizer, apply_fn, frozen_params, first):
         """The state, progress and first layout from ``params``, placed by a plan from their

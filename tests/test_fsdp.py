@@ -167,8 +167,8 @@ def test_tensors_the_plan_replicates_are_split_over_all_devices_and_train_the_sa
         return jnp.mean(((jax.nn.sigmoid(q * k) * v) @ p["out"] - x) ** 2) + 1e-3 * jnp.mean(qkv ** 2)
 
     collate_x = lambda rows: {"x": np.stack(rows)}  # noqa: E731
-    # fsdp=True: what FSDP does with such a tensor (left None, the layout chosen by measurement
-    # may keep it replicated, as it does for this small model on CPU devices)
+    # fsdp=True: what FSDP does with such a tensor (left None, FSDP by cost may keep it
+    # replicated, as it does for this small model on CPU devices)
     trainer = Trainer(Deployer(n_model_shards=2, verbose=False), collate_x, None, qkv_loss, params,
                       OPTIMIZER, fsdp=True)
     trainer.fit(examples, 2, 1, shuffle=False)  # 4 steps of 8
