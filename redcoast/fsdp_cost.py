@@ -106,6 +106,21 @@ def choose_fsdp(placements, axis_sizes, platform, step_flops, n_local_devices,
         f"{TIE:.0%} allowed). fsdp=True splits them all, fsdp=False none"))
 
 
+def agreed_by_all_processes(choice, paths):
+    """Process 0's ``choice`` on every process (``paths``: every parameter's, in the same order
+    on each). The estimate reads the host (its cores, its memory), and processes on hosts of
+    different sizes must still build one plan; all processes call this at the first batch."""
+    if jax.process_count() == 1:
+        return choice
+    from jax.experimental import multihost_utils
+    mask = multihost_utils.broadcast_one_to_all(
+        np.array([path in choice.keep for path in paths], np.int32))
+    keep = frozenset(path for path, kept in zip(paths, np.asarray(mask)) if kept)
+    if keep == choice.keep:
+        return choice
+    return FsdpChoice(keep, f"{choice.note} (process 0's choice, taken by every process)")
+
+
 def _mib(n):
     return f"{n / 2**20:.2f} MiB"
 

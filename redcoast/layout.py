@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .cost_model import choose, estimate, format_table
 from .errors import ConfigError
 from .flops import traced_flops
-from .fsdp_cost import choose_fsdp, per_device_flops
+from .fsdp_cost import agreed_by_all_processes, choose_fsdp, per_device_flops
 from .sharding import ShardingPlan
 from .sharding.context import laid_out_for
 from .sharding.dataflow import traced_placements
@@ -170,9 +170,10 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch, platform="cpu", b
         unsplit = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
                                base_placements=placements, permutations=permutations)
         flops = per_device_flops(traced_flops(traced_loss, state.params, abstract_batch), mesh.size)
-        choice = choose_fsdp(unsplit.before_fsdp, dict(mesh.shape), platform, flops,
-                             len(mesh.local_devices), _state_bytes_per_param_byte(state),
-                             budget_bytes)
+        choice = agreed_by_all_processes(
+            choose_fsdp(unsplit.before_fsdp, dict(mesh.shape), platform, flops,
+                        len(mesh.local_devices), _state_bytes_per_param_byte(state), budget_bytes),
+            [pl.path for pl in unsplit.before_fsdp])
         keep, note = choice.keep, choice.note
     plan = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
                         base_placements=placements, fsdp=bool(candidate.fsdp),

@@ -81,3 +81,23 @@ def test_the_trainer_default_splits_by_cost_and_says_so():
     assert "FSDP by cost: 0 of" in table and "over the 2% allowed" in table
     assert [pl.spec for pl in default.plan.placements] == [
         pl.spec for pl in plan(fsdp=False).plan.placements]
+
+
+def test_every_process_takes_process_0s_choice(monkeypatch):
+    # hosts of different sizes estimate differently; the plan must be one: process 0's mask of
+    # kept tensors is broadcast (the real broadcast runs in tests/test_multiprocess.py)
+    import jax
+    from jax.experimental import multihost_utils
+
+    from redcoast.fsdp_cost import FsdpChoice, agreed_by_all_processes
+
+    paths = [("a",), ("b",), ("c",)]
+    mine = FsdpChoice(frozenset({("c",)}), "FSDP by cost: 2 of 3")
+    assert agreed_by_all_processes(mine, paths) is mine  # one process: as it is
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    sent = []
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                        lambda x: sent.append(x.tolist()) or np.array([0, 1, 1], np.int32))
+    got = agreed_by_all_processes(mine, paths)
+    assert sent == [[0, 0, 1]]
+    assert got.keep == {("b",), ("c",)} and "process 0's choice" in got.note
