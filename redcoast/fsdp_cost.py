@@ -22,7 +22,7 @@ import os
 import jax
 import numpy as np
 
-from .sharding.fsdp import split_by_fsdp
+from .sharding.fsdp import gather_group
 
 TIE = 0.02       # step time FSDP may add: within the noise of a step (issue 28's "2 %")
 PRESSURE = 0.5   # a state over this share of a device's memory: split everything
@@ -73,10 +73,9 @@ def choose_fsdp(placements, axis_sizes, platform, step_flops, n_local_devices,
     r = RATES.get(platform, RATES["gpu"])
     splittable = []
     for pl in placements:
-        split = split_by_fsdp(pl, n_data, n_model)
-        if split is not None:
+        g = gather_group(pl, n_data, n_model)
+        if g is not None:
             b = pl.bytes_per_device(axis_sizes)
-            g = split[1]
             splittable.append((pl.path, b, r["latency"] * (g - 1) + b * (g - 1) / g / r["gather_rate"]))
     if not splittable:
         return FsdpChoice(frozenset(), "")

@@ -290,8 +290,8 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     ``batch_for(mesh)`` gives the first micro-batch (abstract) on a mesh; ``make_mesh(n)`` the
     mesh with n model shards. One candidate (the Trainer's defaults: FSDP by cost, fusion on):
     built, not compiled. Several numbers of model shards (``'auto'``): each is first measured
-    in its leanest setting (the last of the options), from the fewest shards up, stopping once a count that fits costs
-    more per example than the one before; a count over which the plan splits nothing is not
+    in its leanest setting (the last of the options), from the fewest shards up, stopping once
+    a count that fits costs more per example than the one before; a count over which the plan splits nothing is not
     measured (its devices would repeat the same work); the other settings are compared at the
     best count only. A few compilations at the first batch in all. With a ``memory``
     (layout_memory.LayoutMemory), a choice it remembers for these parameters and this first

@@ -85,12 +85,16 @@ class Trainer:
         self._options = {"fsdp": [BY_COST] if fsdp is None else [bool(fsdp)],
                          "fuse_matmuls": [train_step_fn is None if fuse_matmuls is None
                                           else bool(fuse_matmuls)]}
-        # placed before the first batch: FSDP by cost starts unsplit unless memory is tight
-        first_fsdp = (state_fills_a_device(params, deployer.n_model_shards,
-                                           deployer.device_memory_budget())
-                      if fsdp is None else bool(fsdp))
         self._start(params, optimizer, apply_fn, frozen_params,
-                    Candidate(deployer.n_model_shards, first_fsdp, bool(fuse_matmuls)))
+                    self._first_candidate(params, self._options["fsdp"][0], bool(fuse_matmuls)))
+
+    def _first_candidate(self, params, fsdp, fuse_matmuls):
+        """The setting the parameters are placed in before the first batch: FSDP by cost starts
+        unsplit unless the state would fill a device (the choice needs the traced loss)."""
+        if fsdp == BY_COST:
+            fsdp = state_fills_a_device(params, self.deployer.n_model_shards,
+                                        self.deployer.device_memory_budget())
+        return Candidate(self.deployer.n_model_shards, fsdp, fuse_matmuls)
 
     def _start(self, params, optimizer, apply_fn, frozen_params, first):
         """The state, progress and first layout from ``params``, placed by a plan from their
@@ -139,7 +143,8 @@ class Trainer:
             self._start(self.params if params is None else params,
                         optimizer or self._state.tx, apply_fn or self._state.apply_fn,
                         self._state.frozen_params,
-                        Candidate(self.deployer.n_model_shards, self.fsdp, self.fuse_matmuls))
+                        self._first_candidate(self.params if params is None else params,
+                                              self.fsdp, self.fuse_matmuls))
         if opt_state is not None:
             self._state = with_opt_state(self.layout, self._state, opt_state)
         if progress is not None:

@@ -55,8 +55,8 @@ def fsdp_placements(placements, n_data_shards, n_model_shards=1, keep=frozenset(
             else added_dp(pl, n_data_shards, n_model_shards) for pl in placements]
 
 
-def split_by_fsdp(pl, n_data_shards, n_model_shards=1):
-    """(the placement FSDP would give ``pl``, the number of devices the split adds: the data
+def gather_group(pl, n_data_shards, n_model_shards=1):
+    """The devices FSDP would split ``pl`` over beyond its tensor-parallel placement (the data
     shards, or all devices for a tensor split over both axes), or None if FSDP leaves it."""
     if n_data_shards <= 1:
         return None
@@ -64,7 +64,7 @@ def split_by_fsdp(pl, n_data_shards, n_model_shards=1):
     if out.spec == pl.spec:
         return None
     both = any(_as_tuple(axes) == (DP, MP) for axes in out.spec)
-    return out, n_data_shards * (n_model_shards if both else 1)
+    return n_data_shards * (n_model_shards if both else 1)
 
 
 def added_dp(pl, n, n_model):
