@@ -96,12 +96,11 @@ def _stored_otherwise(compute_shardings, stored_shardings, params):
 
 
 def _gathered_in_scans(closed, weights, compute_shardings, stored_shardings):
-    """``(shardings the loss starts from, {leaf: one layer's stored spec})``: the parameters
-    that a scan of the loss's program ``closed`` runs over, and that are stored otherwise than
-    computed (FSDP), start as stored and stay so as each iteration takes its layer (the
-    partitioner gathers the layer where it is used, and what the backward pass keeps of it is
-    the stored split, not the gathered layer); the others are gathered at the start
-    (:func:`gathered`)."""
+    """``(shardings the loss starts from, {leaf: one layer's (stored, computed) specs})``: the
+    parameters that a scan of the loss's program ``closed`` runs over, and that are stored
+    otherwise than computed (FSDP), start as stored and stay so as each iteration takes its
+    layer, gathered where the layer is used (sharding/scanned_weights.py); the others are
+    gathered at the start (:func:`gathered`)."""
     compute, treedef = jax.tree_util.tree_flatten(compute_shardings)
     stored = treedef.flatten_up_to(stored_shardings)
     moved = {i for i in scanned_leaves(closed, weights)
@@ -110,7 +109,7 @@ def _gathered_in_scans(closed, weights, compute_shardings, stored_shardings):
         return compute_shardings, {}
     starts = [stored[i] if i in moved else s for i, s in enumerate(compute)]
     return (jax.tree_util.tree_unflatten(treedef, starts),
-            {i: tuple(stored[i].spec)[1:] for i in moved})
+            {i: (tuple(stored[i].spec)[1:], tuple(compute[i].spec)[1:]) for i in moved})
 
 
 def with_frozen_cast(state, compute_dtype):

@@ -232,6 +232,30 @@ def test_fsdp_gathers_a_stacked_weight_one_layer_at_a_time(monkeypatch):
     _assert_equal_trees(trainer.params, _stack(reference.params, 3), atol=2e-6, rtol=1e-5)
 
 
+def test_inside_the_scan_the_step_moves_the_unrolled_steps_bytes_over_each_axis():
+    """dp=2 x mp=4, FSDP on every tensor (norm scales split over all eight devices): each layer
+    is gathered where it is used, so the hidden state in the loop stays split by rows as in the
+    unrolled step, and the step's collectives move the same bytes along 'dp', along 'mp' and
+    along both. Left to the partitioner, the layers' splits spread onto the hidden state (its
+    features over all eight devices: 1.7x the bytes along 'mp'; jax 0.11.2's partitioner
+    aborted the process)."""
+    from redcoast.comms import collective_report
+    config = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128,
+                                 num_attention_heads=8, num_key_value_heads=4)
+    unrolled, scanned = (Model(llama.LlamaForCausalLM, config),
+                         Model(llama.LlamaForCausalLM, dataclasses.replace(config, scan_layers=True)))
+    params = unrolled.init(0)
+    batch = {"ids": np.random.default_rng(0).integers(0, V, (8, 17)).astype(np.int32)}
+    moved = []
+    for model, p in ((unrolled, params), (scanned, _stack(params, 3))):
+        trainer = Trainer(Deployer(n_model_shards=4, jax_seed=0, verbose=False), lambda rows: rows,
+                          model.apply, _lm_loss(model), p, optax.sgd(0.1), fsdp=True,
+                          fuse_matmuls=True)
+        report = collective_report(trainer.compile_train_step(batch), trainer.mesh)
+        moved.append({axis: wire for axis, (_, _, wire) in report.by_axis().items()})
+    assert moved[1] == moved[0]
+
+
 def test_a_scanned_t5_computes_what_the_unrolled_one_does(tmp_path):
     """Encoder and decoder blocks stacked (each decoder layer's cross-attention K/V scanned with
     it): logits and gradients of teacher forcing, cached generation and folders as unrolled."""

@@ -5,15 +5,22 @@ The training step gathers each parameter FSDP stores split over 'dp' where the l
 layers run by ``jax.lax.scan`` (redcoast's models with ``scan_layers=True``, Flax's ``nn.scan``,
 any ``lax.scan`` over stacked weights) that gathers every layer at once: on OPT-66B over 64 TPU
 v4 chips (dp=16 x mp=4, seq 512, remat) the TPU compiler asked for 104.66 GiB of temporaries and
-refused the step. Kept as stored into the scan, and pinned so inside its body, each iteration
-takes its layer still split; the partitioner gathers it where it is used and reduce-scatters
-its gradient there, and what the backward pass keeps of it is the split slice: the same step
-compiled in 9.67 GiB of temporaries (pinned gathered in the body instead, the gathered layers
-were kept for the backward pass: 47.52 GiB).
+refused the step. Kept as stored into the scan, each iteration takes its layer still split
+(pinned so where the body takes it) and gathers it where it is used (pinned as computed there:
+inside the body's remat, so that what the backward pass keeps of a rematerialised layer is the
+split slice, and it gathers the layer again): the same step compiled in 9.67 GiB of temporaries
+(pinned gathered where the body takes it, outside the remat, the gathered layers were kept for
+the backward pass: 47.52 GiB).
 
-:func:`gather_layer_by_layer` pins the parameters that a scan takes as scanned inputs whole
-(the parameter itself, possibly cast or constrained, its leading axis the loop's); every other
-parameter, and every other use, is left as traced.
+Pinned only as stored, the partitioner was left to choose where to gather, and spread the
+layer's split onto the activations instead: the hidden state in the loop split over 'dp' along
+its features, every device computing the whole batch, and a norm scale split over all devices
+put the hidden state over all eight (dp=2 x mp=4, jax 0.10-0.12) -- on jax 0.11.2 the
+partitioner then aborted the process (a CHECK in its scatter of the embedding gradient).
+
+:func:`gather_layer_by_layer` does this for the parameters that a scan takes as scanned inputs
+whole (the parameter itself, possibly cast or constrained, its leading axis the loop's); every
+other parameter, and every other use, is left as traced.
 """
 
 import jax
@@ -24,6 +31,7 @@ from . import weight_origins
 from .jaxpr_tools import bind, scan_operand_groups
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
+_REMAT = ("checkpoint", "remat", "remat2")
 
 
 def scanned_leaves(closed, weights):
@@ -58,10 +66,10 @@ def _scanned_weights(eqn, ins):
 
 def gather_layer_by_layer(fn, mesh, weights, layer_specs):
     """``fn(params, *rest)`` with the body of every scan that takes a parameter leaf ``i`` of
-    ``layer_specs`` (``{leaf index: PartitionSpec of one layer}``) whole as a scanned input
-    constraining that input to ``NamedSharding(mesh, layer_specs[i])`` (its stored split): the
-    layer is gathered where it is used, inside the loop, one layer at a time. ``weights``: the
-    WeightSplits of ``params``' leaves."""
+    ``layer_specs`` (``{leaf index: (stored, computed)}``, one layer's PartitionSpecs) whole as
+    a scanned input constraining that input to its stored split where the body takes it and to
+    its computed one where the body uses it: the layer is gathered inside the loop, one layer
+    at a time. ``weights``: the WeightSplits of ``params``' leaves."""
     def rewritten(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         flat = jax.tree_util.tree_leaves(args)
@@ -102,22 +110,59 @@ def _evaluate(jaxpr, consts, args, arg_origins, mesh, weights, layer_specs):
 
 
 def _constrained_body(closed, specs, mesh):
-    """The scan body ``closed`` with its inputs ``k`` of ``specs`` constrained to their spec."""
+    """The scan body ``closed`` with its inputs ``k`` of ``specs`` (``(stored, computed)``)
+    constrained to their stored spec where the body takes them and to their computed spec
+    where they are used."""
     def body(*args):
-        args = [jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*specs[k])))
-                if k in specs else a for k, a in enumerate(args)]
-        return _run(closed.jaxpr, closed.consts, args)
+        args = [_pinned(a, mesh, specs[k][0]) if k in specs else a for k, a in enumerate(args)]
+        used = {closed.jaxpr.invars[k]: spec[1] for k, spec in specs.items()}
+        return _run_gathering(closed.jaxpr, closed.consts, args, used, mesh)
     return jax.make_jaxpr(body)(*[v.aval for v in closed.jaxpr.invars])
 
 
-def _run(jaxpr, consts, args):
-    """``jaxpr`` evaluated on ``args``, equation by equation."""
+def _pinned(x, mesh, spec):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def _run_gathering(jaxpr, consts, args, used, mesh):
+    """``jaxpr`` evaluated on ``args``, each variable of ``used`` (``{Var: computed spec}``)
+    constrained to its spec where an equation reads it; calls and rematerialised bodies that
+    read one are entered, so that the gather is rematerialised with the body."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    gathered = {}
 
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+    def read(v, gather=True):
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if gather and v in used:
+            if v not in gathered:  # one constraint, however many readers
+                gathered[v] = _pinned(env[v], mesh, used[v])
+            return gathered[v]
+        return env[v]
 
     for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars])))
+        name = eqn.primitive.name
+        reads = [isinstance(v, jcore.Var) and v in used for v in eqn.invars]
+        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if any(reads) and name in _INLINE + _REMAT:
+            if isinstance(sub, jcore.ClosedJaxpr):
+                sub, sub_consts = sub.jaxpr, sub.consts
+            else:
+                sub, sub_consts = sub, ()
+            if sub.constvars and not sub_consts:
+                raise NotImplementedError(
+                    f"a '{name}' equation whose body has constants of its own, a form of JAX's "
+                    "programs redcoast does not know (sharding/scanned_weights.py)")
+            inner = {iv: used[v] for v, iv, r in zip(eqn.invars, sub.invars, reads) if r}
+            vals = [read(v, gather=False) for v in eqn.invars]
+            run = lambda *a, sub=sub, c=sub_consts, inner=inner: _run_gathering(sub, c, a, inner, mesh)  # noqa: E731
+            if name in _REMAT:
+                run = jax.checkpoint(run, prevent_cse=eqn.params["prevent_cse"],
+                                     policy=eqn.params["policy"])
+            with eqn.ctx.manager:
+                outs = list(run(*vals))
+        else:
+            outs = bind(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
