@@ -63,20 +63,27 @@ def scans(name, scan_layers):
 
 def plan_row(name, param_dtype, target, scan_layers=False):
     config, devices, hosts, memory, seq, _ = ROWS[name]
+    return plan_config(os.path.join(CONFIGS, config + ".json"), devices, hosts, memory, seq,
+                       param_dtype, target, scan_layers)
+
+
+def plan_config(config_file, devices, hosts, memory, seq, param_dtype, target, scan_layers=False):
+    """``(record, seconds)``: ``redcoast plan`` of ``config_file`` in a process of its own (the
+    device count is fixed when JAX starts, and host memory is measured per plan)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env["PYTHONPATH"] = ROOT
         start = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "redcoast", "plan", os.path.join(CONFIGS, config + ".json"),
+            [sys.executable, "-m", "redcoast", "plan", config_file,
              "--devices", str(devices), "--hosts", str(hosts), "--device-memory", memory,
              "--seq-len", str(seq), "--param-dtype", param_dtype, "--target", target,
              "--json", out, "--quiet"] + (["--scan-layers"] if scan_layers else []),
             capture_output=True, text=True, env=env)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
-            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
+            raise RuntimeError(f"{config_file}: {done.stderr[-2000:]}")
         with open(out) as f:
             return json.load(f), seconds
 
