@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 
@@ -60,6 +61,10 @@ class Search:
                                         self.param_dtype, self.target, scan_layers=True)
             self.compiled += record["compile_seconds"] > 0
             self.records[n_layers] = record
+            print(f"  {n_layers} layers: {'FITS' if record['fits'] else 'does not fit'}, peak "
+                  f"{record['per_device_peak_bytes'] / 2**30:.1f} GiB"
+                  + (f" ({record['compile_seconds']:.0f} s compiling)" if record["compile_seconds"]
+                     else " (the state alone, not compiled)"), file=sys.stderr, flush=True)
         return self.records[n_layers]
 
     def largest(self):

@@ -15,8 +15,9 @@ the backward pass: 47.52 GiB).
 Pinned only as stored, the partitioner was left to choose where to gather, and spread the
 layer's split onto the activations instead: the hidden state in the loop split over 'dp' along
 its features, every device computing the whole batch, and a norm scale split over all devices
-put the hidden state over all eight (dp=2 x mp=4, jax 0.10-0.12) -- on jax 0.11.2 the
-partitioner then aborted the process (a CHECK in its scatter of the embedding gradient).
+put the hidden state over all eight (dp=2 x mp=4; seen on jax 0.10.2 and 0.11.2) -- on jax
+0.11.2 the partitioner then aborted the process (a CHECK in its scatter of the embedding
+gradient).
 
 :func:`gather_layer_by_layer` does this for the parameters that a scan takes as scanned inputs
 whole (the parameter itself, possibly cast or constrained, its leading axis the loop's); every
