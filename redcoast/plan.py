@@ -225,9 +225,18 @@ def _target(target, devices, hosts):
     bounds = _TPU_V4_BOUNDS[devices]
     name = "v4:" + "x".join(map(str, bounds))
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no cloud metadata server to ask
-    topology = topologies.get_topology_desc(
-        topology_name=name, platform="tpu", chip_config_name="megacore",
-        chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False))
+    try:
+        topology = topologies.get_topology_desc(
+            topology_name=name, platform="tpu", chip_config_name="megacore",
+            chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False))
+    except jax.errors.JaxRuntimeError as e:
+        if "lockfile" not in str(e):
+            raise
+        raise PlanError(
+            "--target tpu-v4: another process on this machine holds libtpu (its lockfile, "
+            "/tmp/libtpu_lockfile), e.g. a second plan for TPU running beside this one. Fix: plan "
+            "for TPU one at a time, or, on a machine with no TPU attached, set "
+            "ALLOW_MULTIPLE_LIBTPU_LOAD=1 to let several plans compile at once.") from e
     return list(topology.devices), (
         f"the TPU compiler (libtpu {libtpu}, jax {jax.__version__}) for a {name} slice "
         f"described by jax.experimental.topologies: {devices} TPU v4 chips, none of them here")

@@ -72,6 +72,23 @@ def test_a_family_that_runs_its_layers_unrolled_cannot_plan_them_scanned(tmp_pat
         plan(str(gpt2), devices=8, device_memory="64MiB", seq_len=32, scan_layers=True)
 
 
+def test_libtpu_held_by_another_process_says_so(tiny_config, monkeypatch):
+    """libtpu's lockfile error (a second TPU plan beside a running one) is a PlanError with
+    the fix, not JAX's 'Run sudo rm' advice."""
+    import importlib.metadata
+
+    import jax
+    from jax.experimental import topologies
+
+    def held(**_):
+        raise jax.errors.JaxRuntimeError("ABORTED: Internal error when accessing libtpu "
+                                         "multi-process lockfile. Run \"$ sudo rm /tmp/libtpu_lockfile\".")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.0")
+    monkeypatch.setattr(topologies, "get_topology_desc", held)
+    with pytest.raises(PlanError, match="ALLOW_MULTIPLE_LIBTPU_LOAD=1"):
+        plan(tiny_config, devices=8, hosts=2, device_memory="32GiB", seq_len=32, target="tpu-v4")
+
+
 def test_sizes_are_parsed():
     assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("32 GB") == 32 * 10**9
     with pytest.raises(ValueError):
