@@ -8,8 +8,9 @@ largest model of that width the server can train, against the paper's largest th
 
 The search costs few compilations: the training state grows by the same bytes per layer (two
 plans deep enough to be refused from their state alone, without compiling, give that slope and
-the deepest model whose state fits), and so does the compiler's peak of a scanned step, so each
-compiled plan that does not fit says how many layers to drop. A plan that does not fit is tried
+the deepest model whose state fits), so each compiled plan's margin under or over the device's
+memory, in those bytes, says how many layers to add or drop; a guess outside the depths known
+to fit and not to fit is replaced by the one halfway between. A plan that does not fit is tried
 again with each layer rematerialised (``redcoast plan``'s own rule), so the answer may need remat.
 
     python benchmarks/largest.py [--servers NAME ...] [--param-dtype bfloat16] [--cpu-only]
@@ -75,19 +76,22 @@ class Search:
         assert not deep["compile_seconds"], "raise REFUSED_DEPTH: its state fits this server"
         per_layer = (state(deeper) - state(deep)) / REFUSED_DEPTH
         memory = deep["device_memory_bytes"]
-        n = max(1, math.floor(REFUSED_DEPTH - (state(deep) - memory) / per_layer))
-        while True:
-            if self.at(n)["fits"]:
-                if not self.at(n + 1)["fits"]:
-                    return n
-                n += 1
-            elif n == 1:
-                return 0
-            else:  # drop the layers whose bytes the peak is over by (at least one)
-                over = self.at(n)["per_device_peak_bytes"] - memory
-                n = max(1, n - max(1, math.ceil(over / per_layer)))
-                if self.at(n)["fits"] and n + 1 in self.records:
-                    return n
+        fit = 0  # the most layers known to fit, and the fewest known not to
+        unfit = max(1, math.floor(REFUSED_DEPTH - (state(deep) - memory) / per_layer) + 1)
+        assert not self.at(unfit)["fits"], "the state bound is off by a layer"
+        n = unfit - 1
+        while unfit - fit > 1:
+            r = self.at(n)
+            if r["fits"]:
+                fit = n
+            else:
+                unfit = n
+            # the next depth from the bytes this one is under or over by, or halfway between
+            margin = (memory - r["per_device_peak_bytes"]) / per_layer
+            n = n + math.floor(margin) if margin >= 0 else n - math.ceil(-margin)
+            if not fit < n < unfit:
+                n = (fit + unfit) // 2
+        return fit
 
 
 def main():
