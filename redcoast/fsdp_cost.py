@@ -22,6 +22,7 @@ import os
 import jax
 import numpy as np
 
+from .host import process_0s
 from .sharding.fsdp import gather_group
 
 TIE = 0.02       # step time FSDP may add: within the noise of a step (issue 28's "2 %")
@@ -109,12 +110,8 @@ def agreed_by_all_processes(choice, paths):
     """Process 0's ``choice`` on every process (``paths``: every parameter's, in the same order
     on each). The estimate reads the host (its cores, its memory), and processes on hosts of
     different sizes must still build one plan; all processes call this at the first batch."""
-    if jax.process_count() == 1:
-        return choice
-    from jax.experimental import multihost_utils
-    mask = multihost_utils.broadcast_one_to_all(
-        np.array([path in choice.keep for path in paths], np.int32))
-    keep = frozenset(path for path, kept in zip(paths, np.asarray(mask)) if kept)
+    mask = process_0s(np.array([path in choice.keep for path in paths], np.int32))
+    keep = frozenset(path for path, kept in zip(paths, mask) if kept)
     if keep == choice.keep:
         return choice
     return FsdpChoice(keep, f"{choice.note} (process 0's choice, taken by every process)")

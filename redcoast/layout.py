@@ -291,9 +291,9 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
     mesh with n model shards. One candidate (the Trainer's defaults: FSDP by cost, fusion on):
     built, not compiled. Several numbers of model shards (``'auto'``): each is first measured
     in its leanest setting (the last of the options), from the fewest shards up, stopping once
-    a count that fits costs more per example than the one before; a count over which the plan splits nothing is not
-    measured (its devices would repeat the same work); the other settings are compared at the
-    best count only. A few compilations at the first batch in all. With a ``memory``
+    a count that fits costs more per example than the one before; a count over which the plan
+    splits nothing is not measured (its devices would repeat the same work); the other settings
+    are compared at the best count only. A few compilations at the first batch in all. With a ``memory``
     (layout_memory.LayoutMemory), a choice it remembers for these parameters and this first
     batch (on the mesh of the fewest shards) is taken without compiling any other, where it is
     among those allowed; a choice made by comparing is remembered there.

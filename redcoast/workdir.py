@@ -82,12 +82,10 @@ def _this_run():
 
 def agree(flag):
     """Process 0's ``flag`` on every process (decisions about shared files made once)."""
-    import jax
-    if jax.process_count() == 1:
-        return bool(flag)
     import numpy as np
-    from jax.experimental import multihost_utils
-    return bool(int(multihost_utils.broadcast_one_to_all(np.int32(bool(flag)))))
+
+    from .host import process_0s
+    return bool(int(process_0s(np.int32(bool(flag)))))
 
 
 class WorkdirLock:

@@ -60,6 +60,9 @@ RUN_ONCE = {
     "test_plan.py::test_a_plan_with_layers_scanned_holds_the_same_state": set(),  # 26
     "test_scan_layers.py::test_a_scanned_t5_computes_what_the_unrolled_one_does": set(),  # 45
     "test_scan_layers.py::test_fsdp_gathers_a_stacked_weight_one_layer_at_a_time": set(),  # 37
+    # on jax 0.11, where left to the partitioner the scanned step aborted the process
+    "test_scan_layers.py::test_inside_the_scan_the_step_moves_the_unrolled_steps_bytes_over_each_axis":
+        set(),                                                          # 18
     "test_grouped_conv.py::test_a_speech_encoder_with_a_grouped_positional_conv_trains_as_on_one_device":
         set(),                                                          # 13
     "test_grouped_conv.py::test_trainer_steps_on_grouped_convolutions_equal_one_device": set(),
