@@ -160,10 +160,7 @@ def _device0_share(trainer):
 
 
 @pytest.mark.slow  # about 40 s per CNN on 2 cores: three compiled steps, a check, two updates
-@pytest.mark.parametrize("name", ["resnet", pytest.param("regnet", marks=pytest.mark.xfail(
-    strict=True, reason="XLA's partitioner all-gathers a channel-split grouped convolution's "
-                        "kernel and activations over 'mp' (1.64x Megatron's bytes per block); "
-                        "see sharding/grouped_conv.py"))])
+@pytest.mark.parametrize("name", ["resnet", "regnet"])
 def test_a_cnn_trains_with_megatrons_channel_split_and_one_devices_numbers(name):
     make = CNNS[name]
     arch, trainer = _trainer(make, n_blocks=2)

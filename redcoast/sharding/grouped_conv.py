@@ -20,27 +20,27 @@ writes. The rest of the program is left as traced.
 
 Where the plan splits a grouped convolution's channels over 'mp' by whole groups (the data-flow
 analysis does when the shards divide its groups), gathering its kernel and input into the
-``shard_map`` would undo the split. The partitioner gets such a convolution right when its input
-is split over 'mp' on its feature axis (whatever the kernel's placement), and wrong when the
-input is replicated over 'mp' (size('mp') x again; measured on jax 0.10.2, CPU, 2 x 4 and 4 x 2),
-so the guard pins its input split on the feature axis and leaves it to the partitioner. The
-partitioner still all-gathers the kernel (and, in the backward pass, activations) of such a
-convolution over 'mp' (a RegNet block: 1.64x Megatron's bytes). A ``shard_map`` over the split
-channels (each device convolving its own groups) moved exactly Megatron's bytes and was right
-alone and in most models, but gave gradients 1-4% off in a two-block-per-stage RegNet with
-BatchNorm on 2 x 4 (deterministic; right with ``--xla_backend_optimization_level=0`` or with
-XLA's algebraic simplifier off, ``--xla_disable_hlo_passes=algsimp``: a miscompile rather than
-a wrong program; jax 0.10.2, CPU), so it is not used. The guard
-recognises a kernel by the parameter it carries (weight_origins.py).
+``shard_map`` would undo the split. Left to the partitioner, such a convolution's gradient is
+right when its input is split over 'mp' on its feature axis (wrong, size('mp') x again, when the
+input is replicated over 'mp'; jax 0.10.2, CPU, 2 x 4 and 4 x 2), but the partitioner all-gathers
+its kernel over 'mp', and in the backward pass its activations (a RegNet block: 1.64x Megatron's
+bytes). So the guard writes it as one batched matmul per kernel tap with the groups split over
+'mp' (group_matmuls.py): each device convolves its own groups, exactly Megatron's bytes (a
+RegNet block: 1.00x). A ``shard_map`` over the split channels moved the same bytes but gave
+gradients 1-4% off in a two-block-per-stage RegNet with BatchNorm on 2 x 4 (right with
+``--xla_backend_optimization_level=0`` or ``--xla_disable_hlo_passes=algsimp``: an XLA miscompile;
+jax 0.10.2, CPU), so it is not used. The guard recognises a kernel by the parameter it carries
+(weight_origins.py).
 """
 
 import warnings
 
 import jax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from . import weight_origins
+from .group_matmuls import conv_by_group_matmuls, split_groups_pin
 from .jaxpr_tools import bind
 from .paths import leaves_with_paths
 
@@ -119,17 +119,11 @@ def _conv_on_mesh(eqn, lhs, rhs, mesh, batch_axis):
 
 
 def _conv_on_split_channels(eqn, lhs, rhs, mesh, batch_axis):
-    """``eqn``'s convolution, its channels split by whole groups over the model shards, left to
-    the partitioner with its input pinned split on its feature axis (and on its batch over
-    ``batch_axis`` where that divides): the partitioner's kernel gradient is right with the input
-    split so (tests/test_grouped_conv.py)."""
-    dn = eqn.params["dimension_numbers"]
-    spec = [None] * lhs.ndim
-    spec[dn.lhs_spec[1]] = MODEL_AXIS
-    if lhs.shape[dn.lhs_spec[0]] % mesh.shape[batch_axis] == 0:
-        spec[dn.lhs_spec[0]] = batch_axis
-    lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(mesh, P(*spec)))
-    return bind(eqn, [lhs, rhs])[0]
+    """``eqn``'s convolution, its channels split by whole groups over the model shards, as one
+    batched matmul per kernel tap with the groups split over 'mp' (group_matmuls.py): each device
+    convolves its own groups, and the partitioner, which gets batched matmuls right, has no
+    grouped convolution to gather or to get wrong."""
+    return conv_by_group_matmuls(eqn, lhs, rhs, pin=split_groups_pin(mesh, MODEL_AXIS, batch_axis))
 
 
 def _varying(x, axis):
