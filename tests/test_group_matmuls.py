@@ -53,6 +53,19 @@ def test_the_rewrite_equals_the_convolution_and_its_gradients(case):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
 
 
+def test_in_bfloat16_the_taps_are_summed_as_precisely_as_the_convolution_sums():
+    """The taps are accumulated in float32 (as a convolution accumulates), so the result is no
+    further from the float32 answer than bfloat16's own convolution."""
+    conv, eqn, x, kernel = _conv_and_eqn(CASES["nhwc-same"])
+    x16, k16 = jnp.asarray(x, jnp.bfloat16), jnp.asarray(kernel, jnp.bfloat16)
+    eqn16, = [e for e in jax.make_jaxpr(conv)(x16, k16).eqns if e.primitive.name == "conv_general_dilated"]
+    exact = conv(x16.astype(jnp.float32), k16.astype(jnp.float32))
+    got = conv_by_group_matmuls(eqn16, x16, k16)
+    assert got.dtype == jnp.bfloat16
+    err = lambda y: float(jnp.max(jnp.abs(y.astype(jnp.float32) - exact)))  # noqa: E731
+    assert err(got) <= 1.01 * err(conv(x16, k16))
+
+
 def test_split_by_groups_over_the_model_shards_it_moves_nothing_between_them():
     """On 2 x 4 with the kernel split by groups over 'mp' and the input by its channels: the
     gradients equal one device's, and the compiled gradient step has no collective over 'mp'

@@ -17,12 +17,6 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
-def _canonical(x, spec):
-    """``x`` transposed from the layout ``spec`` (batch or out-feature dim, feature dim,
-    spatial dims...) to that order."""
-    return jnp.transpose(x, spec)
-
-
 def _inverse(perm):
     out = [0] * len(perm)
     for i, p in enumerate(perm):
@@ -33,14 +27,14 @@ def _inverse(perm):
 def conv_by_group_matmuls(eqn, lhs, rhs, pin=None):
     """``eqn``'s convolution (feature groups, no batch groups) of ``lhs`` by ``rhs`` as per-tap
     batched matmuls over its groups. ``pin(x, axes)``: called on the input and the summed output,
-    laid out ``[groups, batch, ...]`` / ``[batch, groups, ...]`` (``axes`` names which dims those
-    are), to constrain their sharding; None leaves it to the compiler."""
+    both laid out ``[batch, groups, ...]`` (``axes`` names those dims), to constrain their
+    sharding; None leaves it to the compiler."""
     p = eqn.params
     if p["batch_group_count"] != 1:
         raise ValueError("conv_by_group_matmuls: batch-grouped convolutions are not rewritten")
     dn, groups = p["dimension_numbers"], p["feature_group_count"]
-    x = _canonical(lhs, dn.lhs_spec)  # [N, C, *S]
-    w = _canonical(rhs, dn.rhs_spec)  # [O, C/G, *K]
+    x = jnp.transpose(lhs, dn.lhs_spec)  # [N, C, *S]
+    w = jnp.transpose(rhs, dn.rhs_spec)  # [O, C/G, *K]
     n = x.shape[0]
     o, cg = w.shape[:2]
     og = o // groups
@@ -54,6 +48,10 @@ def conv_by_group_matmuls(eqn, lhs, rhs, pin=None):
     window = [(k - 1) * d + 1 for k, d in zip(w.shape[2:], p["rhs_dilation"])]
     out_sizes = [(s - k) // st + 1 for s, k, st in zip(x.shape[3:], window, p["window_strides"])]
     w = w.reshape(groups, og, cg, *w.shape[2:])  # [G, O/G, C/G, *K]
+    # taps summed in float32 at least, as a convolution accumulates (bfloat16 inputs)
+    accumulate = p["preferred_element_type"]
+    if accumulate is None and jnp.issubdtype(x.dtype, jnp.floating):
+        accumulate = jnp.promote_types(x.dtype, jnp.float32)
     total = None
     for tap in itertools.product(*(range(k) for k in w.shape[3:])):
         starts = [t * d for t, d in zip(tap, p["rhs_dilation"])]
@@ -63,7 +61,7 @@ def conv_by_group_matmuls(eqn, lhs, rhs, pin=None):
         # contract C/G, batch over G: [G, N, *Out, O/G]
         term = lax.dot_general(piece, w[(Ellipsis, *tap)], (((2,), (2,)), ((1,), (0,))),
                                precision=p["precision"],
-                               preferred_element_type=p["preferred_element_type"])
+                               preferred_element_type=accumulate)
         total = term if total is None else total + term
     y = jnp.moveaxis(total, -1, 2)  # [G, N, O/G, *Out]
     y = jnp.swapaxes(y, 0, 1)  # [N, G, O/G, *Out]
