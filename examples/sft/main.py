@@ -90,14 +90,16 @@ def loss_fn(rng, state, params, batch, is_training):
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def train(name, deployer, model, params, rows, eval_rows, per_device_batch_size, epochs, lr,
+def train(name, deployer, model, params, rows, eval_rows, rows_per_update, epochs, lr,
           check_layout):
-    """One run from ``params``: ``(held-out loss before, after, real tokens trained per
-    second, updates)``. The first update compiles and is not timed."""
+    """One run from ``params``, one row per device at a time, ``rows_per_update`` rows a
+    device per update: ``(held-out loss before, after, real tokens trained per second,
+    updates)``. The first update compiles and is not timed."""
     trainer = Trainer(deployer, collate, model.apply, loss_fn, params,
-                      optax.adamw(lr, weight_decay=0.0))
+                      optax.adamw(lr, weight_decay=0.0), accumulate_grad_batches=rows_per_update)
     before = trainer.eval_loss(eval_rows, 2)
-    per_update = deployer.global_batch_size(per_device_batch_size)
+    per_device_batch_size = 1
+    per_update = deployer.global_batch_size(per_device_batch_size) * rows_per_update
     real = lambda rs: int(sum((r["segment_ids"] != 0).sum() for r in rs))  # noqa: E731
     if check_layout:
         trainer.check_layout(rows, per_device_batch_size)
@@ -131,7 +133,7 @@ def main():
     n_train, n_eval, most_turns = (64, 16, 4) if args.tiny else (256, 64, 8)
     n_train = args.conversations or n_train
     epochs = args.epochs or (3 if args.tiny else 1)
-    per_device_batch_size, lr = 1, (3e-3 if args.tiny else 5e-5)  # packed rows per device
+    lr = 3e-3 if args.tiny else 5e-5
 
     start = time.time()
     deployer = Deployer(n_model_shards=args.n_model_shards, jax_seed=0, verbose=False)
@@ -157,10 +159,11 @@ def main():
           f"assistant's) in rows of {seq_len} tokens: {len(padded)} padded, {len(packed)} packed")
 
     # the same conversations per update (as near as whole rows allow), so both runs take the
-    # same number of updates over the same data: packing changes the cost, not the training
-    per_device = {"packed": per_device_batch_size,
-                  "padded": per_device_batch_size * max(1, round(len(padded) / len(packed)))}
-    runs = {name: train(name, deployer, model, params, rows, eval_rows, per_device[name],
+    # same number of updates over the same data: packing changes the cost, not the training.
+    # Each device takes one row at a time (padded accumulates its rows), so both run the
+    # same compiled shapes and hold one row's activations
+    rows_per_update = {"packed": 1, "padded": max(1, round(len(padded) / len(packed)))}
+    runs = {name: train(name, deployer, model, params, rows, eval_rows, rows_per_update[name],
                         epochs, lr, args.check_layout)
             for name, rows in (("padded", padded), ("packed", packed))}
     before = runs["padded"][0]  # the same weights and rows for both
