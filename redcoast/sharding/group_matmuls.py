@@ -18,17 +18,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def _inverse(perm):
-    out = [0] * len(perm)
-    for i, p in enumerate(perm):
-        out[p] = i
-    return tuple(out)
+    """The permutation that undoes ``perm``."""
+    return tuple(sorted(range(len(perm)), key=perm.__getitem__))
 
 
 def conv_by_group_matmuls(eqn, lhs, rhs, pin=None):
     """``eqn``'s convolution (feature groups, no batch groups) of ``lhs`` by ``rhs`` as per-tap
-    batched matmuls over its groups. ``pin(x, axes)``: called on the input and the summed output,
-    both laid out ``[batch, groups, ...]`` (``axes`` names those dims), to constrain their
-    sharding; None leaves it to the compiler."""
+    batched matmuls over its groups. ``pin(x)``: called on the input and on the summed output,
+    both laid out ``[batch, groups, ...]``, to constrain their sharding; None leaves it to the
+    compiler."""
     p = eqn.params
     if p["batch_group_count"] != 1:
         raise ValueError("conv_by_group_matmuls: batch-grouped convolutions are not rewritten")
@@ -44,7 +42,7 @@ def conv_by_group_matmuls(eqn, lhs, rhs, pin=None):
     x = lax.pad(x, zero, config)
     x = x.reshape(n, groups, cg, *x.shape[2:])  # [N, G, C/G, *S']
     if pin is not None:
-        x = pin(x, ("batch", "groups"))
+        x = pin(x)
     window = [(k - 1) * d + 1 for k, d in zip(w.shape[2:], p["rhs_dilation"])]
     out_sizes = [(s - k) // st + 1 for s, k, st in zip(x.shape[3:], window, p["window_strides"])]
     w = w.reshape(groups, og, cg, *w.shape[2:])  # [G, O/G, C/G, *K]
@@ -66,19 +64,16 @@ def conv_by_group_matmuls(eqn, lhs, rhs, pin=None):
     y = jnp.moveaxis(total, -1, 2)  # [G, N, O/G, *Out]
     y = jnp.swapaxes(y, 0, 1)  # [N, G, O/G, *Out]
     if pin is not None:
-        y = pin(y, ("batch", "groups"))
+        y = pin(y)
     y = y.reshape(n, o, *out_sizes)
     return jnp.transpose(y, _inverse(dn.out_spec)).astype(eqn.outvars[0].aval.dtype)
 
 
 def split_groups_pin(mesh, model_axis, batch_axis):
-    """A ``pin`` for :func:`conv_by_group_matmuls`: groups over ``model_axis``, the batch over
-    ``batch_axis`` where it divides."""
-    def pin(x, axes):
-        spec = [None] * x.ndim
-        spec[axes.index("groups")] = model_axis
-        if x.shape[axes.index("batch")] % mesh.shape[batch_axis] == 0:
-            spec[axes.index("batch")] = batch_axis
-        return lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+    """A ``pin`` for :func:`conv_by_group_matmuls`: of ``[batch, groups, ...]``, the groups over
+    ``model_axis`` and the batch over ``batch_axis`` where it divides."""
+    def pin(x):
+        batch = batch_axis if x.shape[0] % mesh.shape[batch_axis] == 0 else None
+        return lax.with_sharding_constraint(x, NamedSharding(mesh, P(batch, model_axis)))
     return pin
 
