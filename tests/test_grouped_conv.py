@@ -159,30 +159,6 @@ def test_check_layout_finds_the_layout_without_the_guard(monkeypatch):
     assert "gradient of stem/kernel" not in message  # the ordinary convolution is right
 
 
-@pytest.mark.parametrize("shape", MESHES)
-def test_the_partitioner_is_right_with_the_input_split_on_its_channels_and_wrong_without(shape):
-    """XLA's own channel-split grouped convolution (which the guard no longer leaves to it,
-    group_matmuls.py): the gradient is one device's when the input is split over 'mp' on its
-    feature axis (the kernel split by groups or whole), and size('mp') x the kernel gradient
-    when the input is replicated over 'mp', even with the kernel split. Kept to see whether the
-    defect is still there."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 16, 16)).astype(np.float32)
-    kernel = (rng.normal(size=(3, 4, 16)) * 0.3).astype(np.float32)
-    expected = jax.grad(plain)(kernel, x, 4)
-    mesh = _mesh(shape)
-
-    def kernel_grad(x_spec, kernel_spec):
-        shardings = (NamedSharding(mesh, kernel_spec), NamedSharding(mesh, x_spec))
-        return jax.jit(jax.grad(lambda k, v: plain(k, v, 4)), in_shardings=shardings)(kernel, x)
-
-    for kernel_spec in (P(None, None, "mp"), P()):
-        np.testing.assert_allclose(kernel_grad(P("dp", None, "mp"), kernel_spec), expected,
-                                   rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    wrong = kernel_grad(P("dp"), P(None, None, "mp"))
-    np.testing.assert_allclose(wrong, shape[1] * expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-
-
 def test_a_channel_split_grouped_convolution_runs_as_matmuls_over_split_groups():
     """Where the plan splits a grouped kernel by groups over 'mp', the guard writes the
     convolution as batched matmuls over its groups, pinned split over 'mp' (group_matmuls.py),

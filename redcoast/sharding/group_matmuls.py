@@ -76,4 +76,3 @@ def split_groups_pin(mesh, model_axis, batch_axis):
         batch = batch_axis if x.shape[0] % mesh.shape[batch_axis] == 0 else None
         return lax.with_sharding_constraint(x, NamedSharding(mesh, P(batch, model_axis)))
     return pin
-
