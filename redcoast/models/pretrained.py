@@ -158,10 +158,11 @@ def model_from_config(config, *, param_dtype=jnp.float32, architecture=None,
 
 
 def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dtype=jnp.float32,
-                architecture=None, fsdp=False, config_overrides=None, rng=None):
+                architecture=None, fsdp=False, config_overrides=None, rng=None, init_seed=None):
     """``(model, params)`` from a config.json dict and a tensor ``reader`` (``.shape(name)``,
     ``.read(name, index)`` over Hugging Face tensor names), placed as :func:`from_pretrained`
-    does; GGUF files come through here too."""
+    does; GGUF files come through here too. With ``init_seed`` (an int) no tensor is read: every
+    parameter is initialised from that seed, placed the same way."""
     family = family_of(config_dict.get("model_type"))
     config = parse_config(family, config_dict, reader, config_overrides)
     module_cls = module_class(family, config_dict, architecture)
@@ -175,6 +176,8 @@ def from_reader(config_dict, reader, deployer=None, *, shardings=None, param_dty
         device = jax.local_devices()[0]
         shardings = jax.tree_util.tree_map(
             lambda _: jax.sharding.SingleDeviceSharding(device), abstract)
+    if init_seed is not None:
+        return model, model.init(init_seed, out_shardings=shardings)
     params = load_or_init(model, family, reader, abstract, shardings, deployer, rng)
     return model, params
 
