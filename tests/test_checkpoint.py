@@ -264,3 +264,40 @@ def test_relative_workdir_stays_where_it_was_after_chdir(tmp_path, monkeypatch):
                 save_argmin_ckpt_by_metrics=["loss"])
     assert os.listdir(tmp_path / "elsewhere") == []
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["best_min_loss", "steps"]
+
+
+@pytest.mark.parametrize("min_bytes, small_whole", [(None, True), (0, False)],
+                         ids=["redcoast", "orbax-default"])
+def test_small_replicated_arrays_are_written_whole_and_large_ones_in_replica_slices(
+        tmp_path, min_bytes, small_whole):
+    """Orbax writes an array several devices hold in slices, one per holder; below
+    REPLICA_SLICE_MIN_BYTES a slice costs more than it saves, so the store writes it whole (0:
+    Orbax's own default, which slices both). The write shapes are what Orbax's array metadata
+    records, next to the arrays as its default handler writes them; both restore exactly."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from redcoast.checkpoint import REPLICA_SLICE_MIN_BYTES
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "mp"))
+    replicated = NamedSharding(mesh, P())
+    rows = 8 * REPLICA_SLICE_MIN_BYTES // (4 * 1024)  # 8 slices of the minimum size
+    state = {"small": jax.device_put(jnp.arange(64 * 64.0).reshape(64, 64), replicated),
+             "large": jax.device_put(jnp.arange(rows * 1024.0).reshape(rows, 1024), replicated)}
+    store = CheckpointStore(tmp_path, async_save=False, replica_slice_min_bytes=min_bytes)
+    store.save(1, state, {"step": 1})
+    store.wait()
+    written = json.loads((tmp_path / "1" / "state" / "array_metadatas" / "process_0").read_text())
+    write_shapes = {m["array_metadata"]["param_name"]: m["array_metadata"]["write_shape"]
+                    for m in written["array_metadatas"]}
+    assert write_shapes["small"] == ([64, 64] if small_whole else [8, 64])
+    assert write_shapes["large"] == [rows // 8, 1024]
+    restored, meta = store.restore_latest(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    store.close()
+    assert meta == {"step": 1}
+    for name in state:
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(state[name]))
