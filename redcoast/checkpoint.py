@@ -160,7 +160,7 @@ class CheckpointStore:
 # Orbax writes an array that several devices hold in slices, one per holder ("replica-parallel"):
 # for a small array that costs more than it saves (one eager slice per holder before any byte is
 # written). A tiny model's 21 saves took 17.6 s of a 32 s run here, 10.8 s of it slicing
-# (tests/ckpt_worker.py: 27.4 -> 14.9 s a run without it; benchmarks/checkpoint_replicas.py
+# (tests/ckpt_worker.py: 27.4 -> 14.6 s a run without it; benchmarks/checkpoint_replicas.py
 # measures both at 100M parameters). Slices of at least this many bytes are still written in
 # parallel.
 REPLICA_SLICE_MIN_BYTES = 4 << 20

@@ -93,8 +93,8 @@ RUN_ONCE = {
 
 # Those of RUN_ONCE that compare with the PyTorch reference: CI's third step has no PyTorch
 # (on Python 3.12 pip gets its CUDA wheels, 3.4 GB), so these run in the slow step instead, on the
-# machine's Python, which has it. A run-once test that skips in the third step runs nowhere:
-# .ci/run fails on any such skip.
+# machine's Python, which has it. A run-once test that skips in the third step would run nowhere:
+# .ci/run fails that step unless every run-once test collected where PyTorch is passes there.
 NEEDS_THE_REFERENCE = {
     "test_models_gguf.py::test_answers_the_capital_of_france_and_stops_at_eos_as_transformers",
     "test_models_gguf.py::test_logits_match_transformers_on_the_same_weights",
