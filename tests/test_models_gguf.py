@@ -48,6 +48,70 @@ def tokenizer(gguf_file):
     return tokenizer_from_gguf(gguf_file[1].file)
 
 
+def _assert_header_is_gguf_readers(path):
+    """redcoast's one-pass header read against ``gguf.GGUFReader``: every metadata value,
+    every tensor's name, type, dimensions and mapped data."""
+    import gguf
+    from redcoast.models.gguf import GGUFFile
+
+    ours, reader = GGUFFile(path), gguf.GGUFReader(path)
+    assert ours.metadata == {key: field.contents() for key, field in reader.fields.items()
+                             if not key.startswith("GGUF.")}
+    assert ours.version == reader.fields["GGUF.version"].contents()
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for theirs in reader.tensors:
+        mine = ours.tensors[theirs.name]
+        assert (mine.tensor_type, list(mine.shape)) == (theirs.tensor_type, theirs.shape.tolist())
+        assert (mine.data.dtype, mine.data.shape) == (theirs.data.dtype, theirs.data.shape)
+        np.testing.assert_array_equal(mine.data, theirs.data, err_msg=theirs.name)
+
+
+@needs_smollm2
+def test_the_packaged_files_header_reads_as_gguf_reads_it():
+    _assert_header_is_gguf_readers(GGUF_PATH)
+
+
+@pytest.mark.parametrize("endianess", ["LITTLE", "BIG"])
+def test_every_value_and_tensor_type_reads_as_gguf_reads_it(tmp_path, endianess):
+    """A file gguf's own writer writes with each value type, arrays of each, and plain and
+    quantised tensors, in either byte order."""
+    import gguf
+
+    path = str(tmp_path / "all.gguf")
+    writer = gguf.GGUFWriter(path, "llama", endianess=getattr(gguf.GGUFEndian, endianess))
+    for kind, value in [("uint8", 7), ("int8", -7), ("uint16", 700), ("int16", -700),
+                        ("uint32", 7 << 20), ("int32", -(7 << 20)), ("uint64", 7 << 40),
+                        ("int64", -(7 << 40)), ("float32", 0.5), ("float64", 1 / 3),
+                        ("bool", True), ("string", "é, 中, and \n")]:
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.floats", [0.25, -1.5])
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_array("test.strings", ["a", "", "<|im_end|>", "Ġthe"])
+    writer.add_array("test.empty", [])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("plain", rng.normal(size=(3, 64)).astype(np.float32))
+    writer.add_tensor("half", rng.normal(size=(2, 5)).astype(np.float16))
+    writer.add_tensor("ints", np.arange(6, dtype=np.int32).reshape(2, 3))
+    weights = rng.normal(size=(4, 64)).astype(np.float32)
+    writer.add_tensor("q8", gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _assert_header_is_gguf_readers(path)
+
+
+def test_a_file_of_another_kind_is_named(tmp_path):
+    from redcoast.models.gguf import GGUFFile
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        GGUFFile(path)
+
+
 def test_unpermute_inverts_llama_cpp_row_order():
     from redcoast.models.gguf import unpermute_rows
 

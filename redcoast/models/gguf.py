@@ -6,8 +6,8 @@ would hold (a config.json dict and tensors under Hugging Face names, in PyTorch'
 so the Llama family loads it exactly like a folder; :func:`from_gguf` also places every tensor
 in its shard on a deployer's mesh, as :func:`redcoast.models.from_pretrained` does.
 
-Tensors are dequantised one at a time when they are read (``gguf`` maps the file), so a
-quantised model never exists in fp32 all at once on the host.
+Tensors are dequantised one at a time when they are read (the file is mapped), so a quantised
+model never exists in fp32 all at once on the host.
 """
 
 import importlib.util
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
+from .gguf_header import read_header
 
 ARCHITECTURES = ("llama",)
 
@@ -81,7 +82,8 @@ def unpermute_rows(weight, n_head):
 
 
 class GGUFFile:
-    """A GGUF file's metadata (``metadata[key]`` as Python values) and raw tensors."""
+    """A GGUF file's metadata (``metadata[key]`` as Python values) and raw tensors
+    (``tensors[name]``: :class:`~redcoast.models.gguf_header.GGUFTensor`, its bytes mapped)."""
 
     def __init__(self, path):
         path = os.fspath(path)
@@ -89,10 +91,7 @@ class GGUFFile:
             raise ConfigError(f"'{path}' is not a file; from_gguf/read_gguf take the path of a "
                               ".gguf file on disk (nothing is downloaded).")
         self.path = path
-        self._reader = _gguf().GGUFReader(path)
-        self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
-                         if not key.startswith("GGUF.")}
-        self.tensors = {t.name: t for t in self._reader.tensors}
+        self.version, self.metadata, self.tensors = read_header(path, _gguf())
 
     def get(self, key, default=None):
         return self.metadata.get(key, default)
