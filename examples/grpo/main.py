@@ -136,7 +136,7 @@ def warm_start(deployer, model, params, problems, template, tokenizer, epochs):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a small random model (CI)")
-    parser.add_argument("--iterations", type=int, default=None, help="default 40; --tiny 12")
+    parser.add_argument("--iterations", type=int, default=None, help="default 40; --tiny 8")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     parser.add_argument("--updates-per-rollout", type=int, default=2,
@@ -155,7 +155,7 @@ def main():
     parser.add_argument("--check-layout", action="store_true",
                         help="check the layout against one device on the first batch")
     args = parser.parse_args()
-    iterations = args.iterations or (12 if args.tiny else 40)
+    iterations = args.iterations or (8 if args.tiny else 40)
     max_new_tokens = args.max_new_tokens or (8 if args.tiny else 48)
     largest = args.largest or (1 if args.tiny else 99)
     lr = args.lr or (1e-3 if args.tiny else (1e-4 if args.lora else 1e-6))
