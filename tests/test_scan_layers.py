@@ -275,10 +275,10 @@ def test_a_scanned_t5_computes_what_the_unrolled_one_does(tmp_path):
         scanned.abstract_params())
     ids, mask = _batch()
     dec = ids[:, :5]
-    want = unrolled.apply(params, ids, mask, dec)  # logits of order 10 (T5's N(0, 1) embedding)
-    _assert_equal_trees(scanned.apply(stacked, ids, mask, dec), want,
+    want = jax.jit(unrolled.apply)(params, ids, mask, dec)  # logits of order 10 (N(0, 1) embedding)
+    _assert_equal_trees(jax.jit(scanned.apply)(stacked, ids, mask, dec), want,
                         atol=1e-6 * float(np.abs(want).max()), rtol=0)
-    grads = [jax.grad(lambda p, m=m: (m.apply(p, ids, mask, dec) ** 2).mean())(p)
+    grads = [jax.jit(jax.grad(lambda p, m=m: (m.apply(p, ids, mask, dec) ** 2).mean()))(p)
              for m, p in ((scanned, stacked), (unrolled, params))]
     # each leaf to 1e-5 of its own scale: T5's activations are of order 10 and more (N(0, 1)
     # embeddings, unscaled attention), so float32 summation order alone moves ~1e-6 of it
