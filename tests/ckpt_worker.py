@@ -2,7 +2,7 @@
 
     python ckpt_worker.py WORKDIR OUT.npz [SLOW_STEP_SECONDS]
 
-Runs 3 epochs of 12 updates, checkpointing every 2 updates and keeping the best by eval loss;
+Runs 3 epochs of 12 updates, checkpointing every 3 updates and keeping the best by eval loss;
 writes the final parameters to OUT.npz. Run again with the same WORKDIR, it resumes. The layout
 is fixed (fsdp off, fusion on), so each of the tests' many processes compiles one step rather
 than comparing candidates (what is killed and resumed is the same either way).
@@ -38,7 +38,7 @@ def main():
     trainer = Trainer(deployer, collate, model.apply, loss_fn, params, optax.adamw(1e-2),
                       fsdp=False, fuse_matmuls=True)
     trainer.fit(make_examples(48), 1, 3, eval_examples=make_examples(6, seed=1),
-                save_every_n_steps=2, keep_last_n_ckpts=3, save_argmin_ckpt_by_metrics=["loss"],
+                save_every_n_steps=3, keep_last_n_ckpts=3, save_argmin_ckpt_by_metrics=["loss"],
                 log_every_n_steps=4)
     np.savez(out, **flat_tensors(trainer.params))
     print(f"finished at step {trainer.step}", flush=True)

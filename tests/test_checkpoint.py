@@ -75,7 +75,7 @@ def test_ten_random_sigkills(tmp_path, uninterrupted, trial):
 def test_sigterm_saves_exits_zero_and_resumes(tmp_path, uninterrupted):
     workdir, out = tmp_path / "workdir", tmp_path / "final.npz"
     p = worker(workdir, out, slow=0.3)  # about 0.3 s per update
-    first = os.path.join(workdir, "checkpoints", "steps", "2")
+    first = os.path.join(workdir, "checkpoints", "steps", "3")
     deadline = time.time() + 120
     while not os.path.isdir(first) and time.time() < deadline:
         time.sleep(0.05)
