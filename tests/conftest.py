@@ -59,6 +59,8 @@ RUN_ONCE = {
     "test_scan_layers.py::test_a_scanned_llama_trains_on_2x4_like_the_unrolled_one": set(),  # 36
     "test_plan.py::test_a_plan_with_layers_scanned_holds_the_same_state": set(),  # 26
     "test_scan_layers.py::test_a_scanned_t5_computes_what_the_unrolled_one_does": set(),  # 45
+    "test_scan_layers.py::test_a_scanned_model_computes_what_the_unrolled_one_does":  # 36 s
+        {"llama-False"},                                                # (2026-11-27)
     "test_scan_layers.py::test_fsdp_gathers_a_stacked_weight_one_layer_at_a_time": set(),  # 37
     # on jax 0.11, where left to the partitioner the scanned step aborted the process
     "test_scan_layers.py::test_inside_the_scan_the_step_moves_the_unrolled_steps_bytes_over_each_axis":
