@@ -11,7 +11,6 @@ with ``GGUFReader``'s on the packaged model and on a file of every value type.
 """
 
 import dataclasses
-import mmap
 import struct
 
 import numpy as np
@@ -26,6 +25,9 @@ DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
 _STRING, _ARRAY = 8, 9
+# GGML's unquantised tensor types, viewed as numpy's (the rest are blocks of bytes)
+_PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+          "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +78,11 @@ def read_header(path, gguf):
     """``(version, metadata, tensors)`` of the GGUF file at ``path``: ``metadata`` {key: Python
     value (lists for arrays)}, ``tensors`` {name: :class:`GGUFTensor`}. ``gguf``: the ``gguf``
     package (its tensor-type tables)."""
-    with open(path, "rb") as f:
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if buffer[:4] != MAGIC:
+    mapped = np.memmap(path, mode="r")
+    # the header through a memoryview: slicing it costs nothing (a numpy view of a memmap is
+    # what makes GGUFReader slow); the tensors below are views of the same mapping
+    buffer = memoryview(mapped)
+    if bytes(buffer[:4]) != MAGIC:
         raise ConfigError(f"{path} is not a GGUF file (it does not start with b'GGUF').")
     order = "<"
     version = struct.unpack_from("<I", buffer, 4)[0]
@@ -100,7 +104,6 @@ def read_header(path, gguf):
         infos.append((name, dims, cursor.scalar("I"), cursor.scalar("Q")))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     data_start = -(-cursor.offset // alignment) * alignment
-    mapped = np.memmap(path, mode="r")
     tensors = {}
     for name, dims, type_id, offset in infos:
         if name in tensors:
@@ -119,7 +122,3 @@ def read_header(path, gguf):
         tensors[name] = GGUFTensor(name, tensor_type, dims, data)
     return version, metadata, tensors
 
-
-# GGML's unquantised types, viewed as numpy's (the rest are blocks of bytes)
-_PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
-          "I16": np.int16, "I32": np.int32, "I64": np.int64}
