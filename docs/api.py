@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = [
     "redcoast", "redcoast.trainer", "redcoast.deployer", "redcoast.predictor", "redcoast.models",
     "redcoast.data", "redcoast.packing", "redcoast.chat_data", "redcoast.logprobs",
-    "redcoast.plan", "redcoast.run_config",
+    "redcoast.sampling", "redcoast.plan", "redcoast.run_config",
     "redcoast.simulate", "redcoast.errors", "redcoast.progress", "redcoast.lora",
     "redcoast.export", "redcoast.sharding", "redcoast.user_cache",
 ]

@@ -7,8 +7,8 @@ answer arithmetic questions right, scored by Python.
 Each iteration (Shao et al. 2024, DeepSeekMath's GRPO):
 
 1. rollouts: several completions per prompt (a group) sampled with the current policy by
-   ``redcoast.models.generate`` inside a Predictor's step, so generation runs sharded like the
-   training step (prompts over the data shards, weights over the model shards) on the Trainer's
+   ``redcoast.sampling.Sampler`` (``redcoast.models.generate`` inside a Predictor's compiled
+   step), so generation runs sharded like the training step (prompts over the data shards, weights over the model shards) on the Trainer's
    own parameters (``trainer.params``: no copy, no trip to the host); rows stop at EOS;
 2. rewards, in Python: 1 when the last number in the answer is the right result, else 0;
    advantages normalised within each group (reward - group mean) / group std;
@@ -37,12 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from redcoast import Deployer, LoRA, Predictor, Trainer
+from redcoast import Deployer, LoRA, Trainer
 from redcoast.chat_data import tokenize_conversation
 from redcoast.logprobs import sequence_logprobs, token_logprobs
 from redcoast.models import from_gguf, packaged_gguf
-from redcoast.models.generate import generate, left_pad, split_completions
 from redcoast.packing import pad_sequences
+from redcoast.sampling import Sampler
 from redcoast.simulate import simulate_cpu_devices
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # 8 simulated devices unless you choose others
@@ -72,23 +72,6 @@ def reward(text, answer):
 
 def collate(examples):
     return {key: np.stack([e[key] for e in examples]) for key in examples[0]}
-
-
-def policy_of(weights, lora):
-    """The policy's parameters from a Predictor's ``{"policy": ..., "base": ...}``: the trained
-    ones, or the frozen base + the trained adapters (merged inside the compiled step)."""
-    return weights["policy"] if lora is None else lora.merge(weights["base"], weights["policy"])
-
-
-def rollout_fn(model, lora, max_new_tokens, temperature, end):
-    """``pred_fn`` of the rollouts: completions sampled from the policy, in the Predictor's
-    compiled step."""
-    def pred_fn(rng, weights, batch):
-        return generate(model, policy_of(weights, lora), batch["input_ids"],
-                        batch["attention_mask"], max_new_tokens=max_new_tokens, do_sample=True,
-                        temperature=temperature, top_k=0, top_p=1.0, eos_token_id=end,
-                        pad_token_id=end, rng=rng)
-    return pred_fn
 
 
 def make_loss_fn(lora, temperature, beta, clip):
@@ -178,10 +161,6 @@ def main():
     prompt_len = max(len(p) for p in prompt_ids.values())
     seq_len = -(-(prompt_len + max_new_tokens) // 8) * 8
 
-    def collate_prompts(examples):  # one fixed width: one compiled generation step
-        ids, mask = left_pad([prompt_ids[q] for q, _ in examples], pad_id=end, length=prompt_len)
-        return {"input_ids": ids, "attention_mask": mask}
-
     # one optimizer update per pass over a rollout (micro-batches accumulated), so that
     # "on-policy" holds for every row of it
     per_micro_batch = per_device_batch_size * deployer.mesh.shape["dp"]
@@ -195,21 +174,19 @@ def main():
                       params=params, optimizer=optax.adamw(lr, weight_decay=0.0),
                       frozen_params=base, accumulate_grad_batches=n_rows // per_micro_batch)
     del base, params  # the Trainer holds its own, placed
-    rollouts = Predictor(deployer, collate_prompts,
-                         rollout_fn(model, lora, max_new_tokens, args.temperature, end))
-    logprobs = Predictor(deployer, collate, lambda rng, w, b: token_logprobs(
-        model.apply(policy_of(w, lora), b["input_ids"], segment_ids=b["segment_ids"])
-        / args.temperature, b["targets"]))
-
-    def weights():  # the Trainer's own arrays, as they are after the last update
-        return {"policy": trainer.params, **({"base": trainer.frozen_params} if lora else {})}
+    # rollouts: generation in a compiled step on the Trainer's own arrays (the policy as the
+    # last update left it), sharded as they are; one fixed prompt width, one compilation
+    sampler = Sampler(deployer, model, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
+                      lora=lora, temperature=args.temperature, eos_token_id=end,
+                      pad_token_id=end)
+    frozen = {"frozen_params": trainer.frozen_params} if lora else {}  # LoRA's base
 
     def sample(problems):
         """(prompt, completion tokens, reward) for ``group`` samples of each problem."""
-        asked = [p for p in problems for _ in range(group)]
         # a whole iteration's rollouts in one batch: decoding is token by token, so wider is faster
-        tokens = rollouts.predict(asked, n_rows // deployer.mesh.shape["dp"], weights())
-        completions = split_completions(np.stack(tokens), end)
+        completions = sampler.sample([prompt_ids[q] for q, _ in problems], trainer.params,
+                                     n_rows // deployer.mesh.shape["dp"], n=group, **frozen)
+        asked = [p for p in problems for _ in range(group)]
         return [(prompt_ids[q], c, reward(tokenizer.decode(c, skip_special_tokens=True), a))
                 for (q, a), c in zip(asked, completions)]
 
@@ -233,7 +210,7 @@ def main():
         rows = [{**{k: r[k] for k in FIELDS}, "advantage": np.float32(a)}
                 for r, a in zip(rows, advantages)]
         if args.updates_per_rollout > 1:  # the sampling policy's log-probabilities, held fixed
-            old = logprobs.predict(rows, per_device_batch_size, weights())
+            old = sampler.logprobs(rows, trainer.params, per_device_batch_size, **frozen)
             rows = [{**r, "old_logprobs": o} for r, o in zip(rows, old)]
         for epoch in range(args.updates_per_rollout):
             trainer.train(rows, per_device_batch_size, epoch=epoch, log_every_n_steps=1,
