@@ -75,6 +75,7 @@ class Predictor:
         if not is_sequence(examples):  # a generator has no len(): the outputs are a list anyway
             examples = list(examples)
         validate.tree_keys("params", params)
+        validate.live_arrays("params", params)
         mesh, shardings, step = self._step_for(params)
         params = jax.device_put(params, shardings)
         rng = self.deployer.gen_rng() if rng is None else rng

@@ -25,8 +25,8 @@ class Sampler:
     ``options`` are ``generate``'s (``temperature``, ``top_k``, ``do_sample=False`` for
     greedy, ``eos_token_id``, ``pad_token_id``, ...) over :data:`SAMPLING`; :meth:`logprobs`
     scores given tokens under the same distribution (the "old" policy of a clipped objective).
-    Prompts (token-id lists) are left-padded to ``prompt_len`` tokens, one width and so one compilation; without it, to
-    the longest prompt of each call rounded up to a multiple of 32.
+    Prompts (token-id lists) are left-padded to ``prompt_len`` tokens, one width and so one
+    compilation; without it, to the longest prompt of each call rounded up to a multiple of 32.
 
     With ``lora``, :meth:`sample`'s ``params`` are the adapters and ``frozen_params`` the base,
     merged inside the step (as a LoRA loss does): the Trainer's two trees as they are.

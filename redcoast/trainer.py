@@ -177,6 +177,7 @@ class Trainer:
         round's average) with the steps already compiled; the optimizer state starts afresh
         unless ``reset_opt_state=False``. The caller's arrays are copied, never donated. A
         Trainer built from abstract parameters becomes concrete."""
+        validate.live_arrays("params", params)
         self._state = with_params(self.layout, self._state, params, reset_opt_state,
                                   self.is_abstract, self.deployer.platform)
         if self.is_abstract:  # the keys a Trainer built from these params starts with

@@ -2,6 +2,8 @@
 
 import numbers
 
+import jax
+
 from .errors import ConfigError
 
 
@@ -100,6 +102,8 @@ def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None, params=None
                           "positive integer.")
     tree_keys("params", params)
     tree_keys("frozen_params", frozen_params)
+    live_arrays("params", params)
+    live_arrays("frozen_params", frozen_params)
     if not callable(collate_fn):
         raise ConfigError(f"collate_fn is {type(collate_fn).__name__}, not a function. Fix: pass "
                           "a function from a list of examples to a dict of arrays.")
@@ -134,3 +138,17 @@ def tree_keys(name, tree, _path=""):
     elif isinstance(tree, (list, tuple)):
         for i, child in enumerate(tree):
             tree_keys(name, child, f"{_path}[{i}]")
+
+
+def live_arrays(name, tree):
+    """No array of ``tree`` was deleted: a Trainer's update donates its state, so arrays read
+    from ``trainer.params`` (or ``frozen_params``) before an update are gone after it."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ConfigError(
+                f"{name}{jax.tree_util.keystr(path)} is an array that was deleted: a Trainer's "
+                "update replaces its parameters and frees the ones before (the step donates "
+                "them), so a tree read from trainer.params or trainer.frozen_params before an "
+                "update is gone after it. Fix: read trainer.params (and trainer.frozen_params) "
+                "again at each call, after the updates, or keep a copy "
+                "(jax.tree_util.tree_map(jnp.copy, trainer.params)).")

@@ -129,3 +129,14 @@ def test_logprobs_are_the_sampling_distributions_on_one_device(setup):
                               for k in ("input_ids", "targets", "segment_ids"))
     logits = model.apply(lora.merge(host, adapters), ids, segment_ids=segments)
     np.testing.assert_allclose(got, token_logprobs(logits / 0.7, targets), rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_kept_from_before_an_update_are_named_as_deleted(setup):
+    model, trainer, host, _ = setup
+    small = redcoast.Trainer(trainer.deployer, collate, model.apply, loss_fn, host, optax.sgd(0.1))
+    before = small.params
+    small.train([np.arange(12, dtype=np.int32) % 90 + 3 for _ in range(8)], 1)
+    sampler = Sampler(trainer.deployer, model, max_new_tokens=2, prompt_len=WIDTH)
+    with pytest.raises(ConfigError, match="deleted.*read trainer.params"):
+        sampler.sample(PROMPTS, before, 1)
+    assert len(sampler.sample(PROMPTS, small.params, 1)) == 3  # read afresh: the update's

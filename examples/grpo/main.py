@@ -8,8 +8,9 @@ Each iteration (Shao et al. 2024, DeepSeekMath's GRPO):
 
 1. rollouts: several completions per prompt (a group) sampled with the current policy by
    ``redcoast.sampling.Sampler`` (``redcoast.models.generate`` inside a Predictor's compiled
-   step), so generation runs sharded like the training step (prompts over the data shards, weights over the model shards) on the Trainer's
-   own parameters (``trainer.params``: no copy, no trip to the host); rows stop at EOS;
+   step), so generation runs sharded like the training step (prompts over the data shards,
+   weights over the model shards) on the Trainer's own parameters (``trainer.params``: no
+   copy, no trip to the host); rows stop at EOS;
 2. rewards, in Python: 1 when the last number in the answer is the right result, else 0;
    advantages normalised within each group (reward - group mean) / group std;
 3. updates: the clipped objective with a KL penalty to the frozen reference (the starting
@@ -179,13 +180,16 @@ def main():
     sampler = Sampler(deployer, model, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                       lora=lora, temperature=args.temperature, eos_token_id=end,
                       pad_token_id=end)
-    frozen = {"frozen_params": trainer.frozen_params} if lora else {}  # LoRA's base
+
+    def policy():  # the Trainer's arrays as the last update left them (updates replace them)
+        return dict(params=trainer.params, frozen_params=trainer.frozen_params if lora else None)
 
     def sample(problems):
         """(prompt, completion tokens, reward) for ``group`` samples of each problem."""
         # a whole iteration's rollouts in one batch: decoding is token by token, so wider is faster
-        completions = sampler.sample([prompt_ids[q] for q, _ in problems], trainer.params,
-                                     n_rows // deployer.mesh.shape["dp"], n=group, **frozen)
+        completions = sampler.sample([prompt_ids[q] for q, _ in problems], **policy(),
+                                     per_device_batch_size=n_rows // deployer.mesh.shape["dp"],
+                                     n=group)
         asked = [p for p in problems for _ in range(group)]
         return [(prompt_ids[q], c, reward(tokenizer.decode(c, skip_special_tokens=True), a))
                 for (q, a), c in zip(asked, completions)]
@@ -210,7 +214,7 @@ def main():
         rows = [{**{k: r[k] for k in FIELDS}, "advantage": np.float32(a)}
                 for r, a in zip(rows, advantages)]
         if args.updates_per_rollout > 1:  # the sampling policy's log-probabilities, held fixed
-            old = sampler.logprobs(rows, trainer.params, per_device_batch_size, **frozen)
+            old = sampler.logprobs(rows, **policy(), per_device_batch_size=per_device_batch_size)
             rows = [{**r, "old_logprobs": o} for r, o in zip(rows, old)]
         for epoch in range(args.updates_per_rollout):
             trainer.train(rows, per_device_batch_size, epoch=epoch, log_every_n_steps=1,
