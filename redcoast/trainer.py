@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from . import validate
 from .abstract import placed
+from .batch_diagnosis import batch_findings, params_findings, vocab_size_of
 from .actions import fit_actions
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
 from .errors import ConfigError, NonFiniteLossError
@@ -297,21 +298,26 @@ class Trainer:
         bar = tqdm(total=n_steps, initial=start_position, desc=desc or "train", dynamic_ncols=True,
                    disable=not (self.deployer.verbose and jax.process_index() == 0))
         window = LogWindow(log_every_n_steps, n_steps, start_position)
+        # the first update's batch, held until its loss is checked: a NaN loss before any
+        # update lies in the data or the starting parameters, and the error says which
+        first = None
         try:
             for batch in batches:
                 if self._progress.position == start_position:
                     self._meter.require_fits(self._state, batch, self._progress.train_key)
+                    first = batch if self._progress.step == 0 else None
                 self._state, metrics = self.layout.train_step(self._state, batch,
                                                               self._progress.train_key)
                 heartbeat()  # redcoast launch's watchdog: this process makes progress
                 self._progress = self._progress.after_update(per_update)
                 if window.add(metrics, self._progress.position):
-                    self._log_train(window, bar, batch)
+                    self._log_train(window, bar, batch, first)
+                    first = None
                 bar.update(1)
                 if after_step is not None and after_step(self._progress.position):
                     break
             if window.pending:  # the end of a stream, or a stop before the logging interval
-                self._log_train(window, bar, batch)
+                self._log_train(window, bar, batch, first)
         finally:
             bar.close()
         if source.stream is not None and skip == 0 and self._progress.position == 0:
@@ -329,18 +335,24 @@ class Trainer:
         if bad_step >= 0:
             self._nonfinite(bad_step, "NaN or inf")
 
-    def _nonfinite(self, bad_step, value):
+    def _nonfinite(self, bad_step, value, first_batch=None):
         """Stop at the first non-finite loss: the step count goes back to the updates applied
-        (those from ``bad_step`` on were not), and the error says so."""
+        (those from ``bad_step`` on were not), and the error says so, with what is wrong in
+        the parameters (as they were at that step) and, at step 0, in ``first_batch``."""
         self.set_progress(self._progress.replace(step=bad_step))
-        raise NonFiniteLossError.at(bad_step, value)
+        findings = params_findings({"params": self._state.params,
+                                    "frozen_params": self._state.frozen_params})
+        checked = bad_step == 0 and first_batch is not None
+        if checked:
+            findings += batch_findings(first_batch, vocab_size_of(self._state.apply_fn))
+        raise NonFiniteLossError.at(bad_step, value, findings, checked)
 
-    def _log_train(self, window, bar, batch):
+    def _log_train(self, window, bar, batch, first_batch=None):
         """Pull the metrics of the window's steps (one host sync), check them, and log them
         with the throughput of its timed steps."""
         history, bad_step, timed, elapsed = window.pull(self._state.nonfinite_step)
         if bad_step >= 0:
-            self._nonfinite(int(bad_step), NonFiniteLossError.first_bad(history))
+            self._nonfinite(int(bad_step), NonFiniteLossError.first_bad(history), first_batch)
         means = {k: float(np.mean([m[k] for m in history])) for k in history[-1]}
         if self.lr_schedule_fn is not None:
             means["lr"] = float(self.lr_schedule_fn(self._progress.step - 1))

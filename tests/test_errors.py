@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -58,12 +59,72 @@ def test_nan_loss_stops_names_the_step_and_saves_nothing(tmp_path):
         return jnp.where(state.step == 3, jnp.nan, loss), metrics
 
     trainer = make_trainer(deployer, loss=exploding_loss)
-    with pytest.raises(NonFiniteLossError, match=r"became nan at step 3 .*no checkpoint was written"):
+    with pytest.raises(NonFiniteLossError, match=r"became nan at step 3 .*no checkpoint was "
+                                                 r"written.*lower the learning rate.*-100"):
         trainer.fit(make_examples(48), 1, 1, log_every_n_steps=5, save_last_ckpt=True)
     steps_dir = tmp_path / "checkpoints" / "steps"
     assert not [s for s in os.listdir(steps_dir) if s.isdigit()]
     # found at the first logging interval after it (step 5); updates 3 and 4 were not applied
     assert trainer.step == 3 and int(trainer.state.step) == 3
+
+
+def masked_loss(rng, state, params, batch, is_training):
+    """Cross-entropy where ``mask`` is 1, as a PyTorch user writes it over -100 labels."""
+    logits = state.apply_fn({"params": params}, batch["ids"][:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def ignore_index_collate(examples):
+    """The last 3 labels padding, marked -100 as PyTorch's ignore_index."""
+    ids = collate_fn(examples)["ids"]
+    labels, mask = ids[:, 1:].copy(), np.ones(ids[:, 1:].shape, np.float32)
+    labels[:, -3:], mask[:, -3:] = -100, 0.0
+    return {"ids": ids, "labels": labels, "mask": mask}
+
+
+def test_a_nan_loss_before_any_update_names_the_minus_100_labels_not_the_learning_rate(deployer):
+    trainer = make_trainer(deployer, loss=masked_loss, collate=ignore_index_collate)
+    with pytest.raises(NonFiniteLossError, match=(
+            r"at step 0 .*the learning rate is not the cause.*Found: batch\['labels'\] holds "
+            r"negative values \(the smallest -100: -100 is PyTorch ignore_index\)")):
+        trainer.train(make_examples(16), 1)
+
+
+def test_a_nan_loss_before_any_update_names_token_ids_beyond_the_vocabulary(deployer):
+    from redcoast.models import Model, llama
+    model = Model(llama.LlamaForCausalLM, llama.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2))
+
+    def lm_loss(rng, state, params, batch, is_training):
+        logits = state.apply_fn(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    # a token added to the tokenizer (say a pad token) without resizing the embeddings
+    def collate(examples):
+        return {"ids": np.concatenate([collate_fn(examples)["ids"],
+                                       np.full((len(examples), 1), 64)], axis=1)}
+    trainer = Trainer(deployer, collate, model.apply, lm_loss, model.init(0), optax.sgd(0.1))
+    with pytest.raises(NonFiniteLossError, match=r"batch\['ids'\] holds 64, at or above the "
+                                                 r"model's vocab_size 64"):
+        trainer.train(make_examples(16), 1)
+
+
+def test_a_nan_loss_before_any_update_from_the_loss_or_the_parameters_says_which(deployer):
+    def log_of_zero(rng, state, params, batch, is_training):
+        return loss_fn(rng, state, params, batch, is_training)[0] + jnp.log(0.0) * 0.0
+
+    with pytest.raises(NonFiniteLossError, match=r"no NaN, inf, negative or out-of-vocabulary "
+                                                 r"value .*look at the loss"):
+        make_trainer(deployer, loss=log_of_zero).train(make_examples(16), 1)
+    trainer = make_trainer(deployer)
+    params = jax.tree_util.tree_map(np.array, jax.device_get(trainer.params))  # writable
+    params["head"]["kernel"][0, 0] = np.nan
+    trainer.set_params(params)
+    with pytest.raises(NonFiniteLossError, match=r"the parameters hold NaN or inf at "
+                                                 r"\['params'\]\['head'\]\['kernel'\]"):
+        trainer.train(make_examples(16), 1)
 
 
 def test_batch_larger_than_the_data(deployer):

@@ -1,0 +1,56 @@
+"""What in a batch or in parameters makes a loss NaN in JAX where PyTorch would not.
+
+JAX gives NaN, silently, for what PyTorch ignores or refuses: a label of -100 (PyTorch's
+``ignore_index``; ``optax.softmax_cross_entropy_with_integer_labels`` returns NaN for it, and
+a mask multiplying it keeps the NaN) and a token id outside the embedding's rows (an
+out-of-range gather is filled with NaN). These read host arrays after the fact, to say which.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .host import to_host
+
+def vocab_size_of(apply_fn):
+    """The vocabulary size of the model whose bound ``apply`` (or ``__call__``) this is,
+    where its config says (redcoast's models, transformers' Flax models); else None."""
+    config = getattr(getattr(apply_fn, "__self__", None), "config", None)
+    size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def batch_findings(batch, vocab_size=None):
+    """Each array of ``batch`` (a pytree of host or device arrays) that holds NaN or inf, a
+    negative integer, or an integer at or above ``vocab_size``: one sentence each."""
+    findings = []
+    for path, values in jax.tree_util.tree_flatten_with_path(to_host(batch))[0]:
+        values = np.asarray(values)
+        name = f"batch{jax.tree_util.keystr(path)}"
+        if np.issubdtype(values.dtype, np.floating) and values.size:
+            bad = int(np.sum(~np.isfinite(values)))
+            if bad:
+                findings.append(f"{name} holds {bad} NaN or inf value(s)")
+        elif np.issubdtype(values.dtype, np.integer) and values.size:
+            low, high = int(values.min()), int(values.max())
+            if low < 0:
+                findings.append(f"{name} holds negative values (the smallest {low}"
+                                f"{': -100 is PyTorch ignore_index' if low == -100 else ''})")
+            if vocab_size is not None and high >= vocab_size:
+                findings.append(f"{name} holds {high}, at or above the model's vocab_size "
+                                f"{vocab_size} (if it holds token ids or labels)")
+    return findings
+
+
+def params_findings(params):
+    """The parameters that hold NaN or inf: one sentence, or none (one reduction per array,
+    where the arrays are)."""
+    finite = to_host(jax.tree_util.tree_map(
+        lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else True,
+        params))
+    bad = [jax.tree_util.keystr(path)
+           for path, ok in jax.tree_util.tree_flatten_with_path(finite)[0] if not ok]
+    if not bad:
+        return []
+    return [f"the parameters hold NaN or inf at {', '.join(bad[:3])}"
+            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")]
