@@ -74,7 +74,9 @@ class Predictor:
         twice gives two samples; the same ``rng`` gives the same predictions."""
         if not is_sequence(examples):  # a generator has no len(): the outputs are a list anyway
             examples = list(examples)
+        validate.positive_int("per_device_batch_size", per_device_batch_size)
         validate.tree_keys("params", params)
+        validate.array_leaves("params", params)
         validate.live_arrays("params", params)
         mesh, shardings, step = self._step_for(params)
         params = jax.device_put(params, shardings)

@@ -9,9 +9,11 @@ the model shards, nothing is copied to the host but the new tokens.
 
 import numpy as np
 
+from . import validate
 from .errors import ConfigError, DataError
 from .logprobs import token_logprobs
-from .models.generate import generate, left_pad, model_defaults, split_completions
+from .models.generate import (check_token_ids, generate, left_pad, model_defaults,
+                              split_completions)
 from .predictor import Predictor
 
 #: pure sampling from the model's distribution at ``temperature`` (no top-k or top-p cut): what
@@ -68,6 +70,8 @@ class Sampler:
             raise ConfigError("frozen_params given, but this Sampler has no lora to merge them "
                               "with. Fix: Sampler(..., lora=lora), or pass the model's "
                               "parameters as params alone.")
+        validate.array_leaves("params", params)
+        validate.array_leaves("frozen_params", frozen_params)
         return {"params": params, **({} if frozen_params is None else
                                      {"frozen_params": frozen_params})}
 
@@ -81,7 +85,7 @@ class Sampler:
         weights = self._weights(params, frozen_params)
         if not isinstance(n, int) or n < 1:
             raise ConfigError(f"n={n!r}: the completions per prompt must be a positive integer.")
-        prompts = [list(p) for p in prompts for _ in range(n)]
+        prompts = [_token_ids(p) for p in prompts for _ in range(n)]
         if not prompts:
             return []
         width = self.prompt_len or -(-max(len(p) for p in prompts) // 32) * 32
@@ -91,6 +95,7 @@ class Sampler:
                             "longest prompt, or shorten the prompts.")
         rows = [dict(zip(("input_ids", "attention_mask"),
                          left_pad([p], self.pad_token_id, width))) for p in prompts]
+        check_token_ids(np.concatenate([r["input_ids"] for r in rows]), self.model)
         tokens = self._sampler.predict(rows, per_device_batch_size, weights, rng=rng)
         return split_completions(np.stack(tokens), self.eos_token_id)
 
@@ -104,6 +109,22 @@ class Sampler:
         fields = ("input_ids", "targets", "segment_ids")
         rows = [{k: np.asarray(r[k])[None] for k in fields} for r in rows]
         return self._scorer.predict(rows, per_device_batch_size, weights)
+
+
+def _token_ids(prompt):
+    """A prompt as a list of token ids, or the error a text or a tokenizer's output deserves."""
+    if isinstance(prompt, str) or hasattr(prompt, "ids"):
+        raise DataError(f"a prompt is {type(prompt).__name__}, not a list of token ids. Fix: "
+                        "tokenizer.encode(text).ids for each prompt.")
+    ids = list(prompt)
+    if not ids:
+        raise DataError("a prompt has no tokens. Fix: start every prompt with at least one "
+                        "token (e.g. BOS, or the chat template's start).")
+    odd = [t for t in ids if not isinstance(t, (int, np.integer))]
+    if odd:
+        raise DataError(f"a prompt holds {type(odd[0]).__name__} values ({odd[0]!r}), not "
+                        "integer token ids. Fix: pass each prompt's token ids.")
+    return ids
 
 
 def _stack(rows):

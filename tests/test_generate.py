@@ -306,5 +306,11 @@ def test_errors(tiny):
         generate(model, params, IDS, MASK * np.array([[1], [0], [1]]), max_new_tokens=2)
     with pytest.raises(DataError, match="prompt length >= 1"):
         generate(model, params, IDS[:, :0], max_new_tokens=2)
+    with pytest.raises(DataError, match="integer token ids"):
+        generate(model, params, IDS.astype(np.float32), MASK, max_new_tokens=2)
+    # past the embeddings, even as padding under a zero mask: its NaN embedding reaches every
+    # position through attention (weight 0 x NaN), so generation would be garbage
+    with pytest.raises(DataError, match=r"token id 96, outside the model's vocabulary"):
+        generate(model, params, np.where(MASK == 1, IDS, 96), MASK, max_new_tokens=2)
     with pytest.raises(DataError, match="length"):
         left_pad([[1, 2, 3]], length=2)

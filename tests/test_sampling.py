@@ -112,6 +112,19 @@ def test_mistakes_are_named_with_the_fix(setup):
         sampler.sample(PROMPTS, host, 1, n=0)
     with pytest.raises(ConfigError, match="rng"):
         Sampler(trainer.deployer, model, max_new_tokens=2, rng=jax.random.key(0))
+    with pytest.raises(ConfigError, match="params is a Trainer.*pass trainer.params"):
+        sampler.sample(PROMPTS, trainer, 1)
+    with pytest.raises(ConfigError, match="per_device_batch_size=0"):
+        sampler.sample([[1, 2]], host, 0)
+    with pytest.raises(DataError, match="a prompt is str.*encode"):
+        sampler.sample(["What is 1 + 1?"], host, 1)
+    with pytest.raises(DataError, match="float values"):
+        sampler.sample([[1, 2.5]], host, 1)
+    with pytest.raises(DataError, match="no tokens"):
+        sampler.sample([[]], host, 1)
+    # an id past the embeddings (a token added to the tokenizer alone) would generate garbage
+    with pytest.raises(DataError, match=r"token id 96, outside the model's vocabulary \(0 to 95"):
+        sampler.sample([[1, 96]], host, 1)
     assert sampler.sample([], host, 1) == []
 
 

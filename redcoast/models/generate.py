@@ -414,6 +414,7 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
             raise DataError(f"attention_mask has shape {np.shape(attention_mask)}, input_ids "
                             f"{np.shape(input_ids)}; they must match.")
         _check_left_padded(attention_mask)
+    check_token_ids(input_ids, model)
     tokens = _jitted(model, cfg)(params, jnp.asarray(input_ids), attention_mask, rng)
     if not stop_strings:
         return tokens
@@ -444,6 +445,26 @@ def cut_at_stop_strings(tokens, tokenizer, stop_strings, pad_token_id):
                 row[k:] = pad_token_id
                 break
     return tokens
+
+
+def check_token_ids(input_ids, model):
+    """Prompt tokens and their padding are ids of the model's vocabulary: outside it JAX's
+    embedding lookup gives NaN where PyTorch raises, and a NaN under the attention mask still
+    reaches every row's output (0 x NaN), so generation is garbage."""
+    if isinstance(input_ids, jax.core.Tracer):
+        return  # inside a trace the values are unknown
+    ids = np.asarray(input_ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise DataError(f"input_ids are {ids.dtype}; generate takes integer token ids. Fix: "
+                        "tokenize the text (tokenizer.encode(text).ids).")
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if ids.size and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise DataError(f"input_ids hold token id {bad}, outside the model's vocabulary (0 to "
+                        f"{vocab_size - 1 if vocab_size else '...'}): JAX would embed it as NaN "
+                        "and generate garbage, under the attention mask too. Fix: tokenize with "
+                        "the model's own tokenizer and pad with one of its ids; a token added to "
+                        "the tokenizer needs the embeddings resized.")
 
 
 def _check_left_padded(mask):

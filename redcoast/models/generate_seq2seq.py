@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from .generate import SearchConfig, decode, last_logits, model_defaults, search_options
+from .generate import (SearchConfig, check_token_ids, decode, last_logits, model_defaults,
+                       search_options)
 
 
 def seq2seq_step(model):
@@ -98,4 +99,6 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     if attention_mask is not None and np.shape(attention_mask) != np.shape(input_ids):
         raise DataError(f"attention_mask has shape {np.shape(attention_mask)}, input_ids "
                         f"{np.shape(input_ids)}; they must match.")
+    if input_ndim == 2:  # token ids (images are pixels)
+        check_token_ids(input_ids, model)
     return _jitted(model, cfg, int(start_id))(params, jnp.asarray(input_ids), attention_mask, rng)
