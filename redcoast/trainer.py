@@ -15,7 +15,7 @@ from .abstract import placed
 from .batch_diagnosis import batch_findings, params_findings, vocab_size_of
 from .actions import fit_actions
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
-from .errors import ConfigError, NonFiniteLossError
+from .errors import DATA_CAUSES, ConfigError, NonFiniteLossError
 from .evaluation import EvalRun, check_eval_loss, first_eval_batch
 from .export import save_params
 from .fingerprint import check_fingerprint, fingerprint
@@ -440,6 +440,17 @@ class Trainer:
                       examples, self.global_batch_size(per_device_batch_size),
                       self.deployer.log_info)
         results, self._eval_by = run.means(self._eval_by)
+        if not np.isfinite(results["loss"]):  # said, with what in the data explains it
+            findings = params_findings({"params": self._state.params,
+                                        "frozen_params": self._state.frozen_params})
+            findings += batch_findings(
+                first_eval_batch(examples, self.collate_fn, per_device_batch_size, self.mesh),
+                vocab_size_of(self._state.apply_fn))
+            self.deployer.log_warning(
+                f"The evaluation loss is {results['loss']}. "
+                + (f"Found: {'; '.join(findings)}. " if findings else
+                   "Its first batch and the parameters hold nothing that explains it; ")
+                + f"Check the examples and the loss for {DATA_CAUSES}.")
         return results
 
     def eval_loss(self, examples, per_device_batch_size, desc=None):

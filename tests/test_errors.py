@@ -1,6 +1,7 @@
 """Every mistake a user can make gets one clear message naming the cause and the fix."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,13 @@ def test_a_nan_loss_before_any_update_names_the_minus_100_labels_not_the_learnin
             r"at step 0 .*the learning rate is not the cause.*Found: batch\['labels'\] holds "
             r"negative values \(the smallest -100: -100 is PyTorch ignore_index\)")):
         trainer.train(make_examples(16), 1)
+
+
+def test_a_nan_evaluation_loss_is_said_with_its_cause(deployer, capsys):
+    trainer = make_trainer(deployer, loss=masked_loss, collate=ignore_index_collate)
+    assert np.isnan(trainer.eval_loss(make_examples(8), 1))
+    assert re.search(r"WARNING: The evaluation loss is nan\. Found: batch\['labels'\] holds "
+                     r"negative values \(the smallest -100", capsys.readouterr().err)
 
 
 def test_a_nan_loss_before_any_update_names_token_ids_beyond_the_vocabulary(deployer):
