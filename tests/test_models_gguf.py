@@ -112,6 +112,77 @@ def test_a_file_of_another_kind_is_named(tmp_path):
         GGUFFile(path)
 
 
+def write_tokenizer_gguf(path, pre, add_bos=False, add_eos=False):
+    """A GGUF file holding a byte-level BPE tokenizer alone: every byte, a few merges, BOS and
+    EOS as control tokens; llama.cpp's ``pre`` split and add-BOS/EOS flags."""
+    import gguf
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2",
+              "12 3", "Ġ 1"]
+    tokens = sorted(ByteLevel.alphabet()) + [m.replace(" ", "") for m in merges] + [
+        "<|begin_of_text|>", "<|end_of_text|>"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(add_eos)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    return tokens
+
+
+@pytest.mark.parametrize("add_bos, add_eos", [(True, False), (False, True), (True, True)])
+def test_a_files_add_bos_and_eos_are_followed_as_transformers_follows_them(tmp_path, add_bos,
+                                                                           add_eos):
+    # Llama 3's files say add_bos_token: encode(text) starts with BOS there, as in
+    # transformers and llama.cpp; a chat template's text is encoded without (it writes BOS)
+    transformers = pytest.importorskip("transformers", reason=TORCH_REASON)
+    from redcoast.models.gguf import GGUFFile
+    from redcoast.models.tokenizer import tokenizer_from_gguf
+
+    tokens = write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", add_bos, add_eos)
+    ours = tokenizer_from_gguf(GGUFFile(str(tmp_path / "t.gguf")))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
+    for text in ["hello world", "hello", " 123 world\n", ""]:
+        assert ours.encode(text).ids == theirs(text)["input_ids"], text
+        assert (ours.encode(text, add_special_tokens=False).ids
+                == theirs(text, add_special_tokens=False)["input_ids"]), text
+        assert ours.encode(text, "world").ids == theirs(text, "world")["input_ids"], text
+    ids = ours.encode("hello").ids
+    assert (ids[0] == len(tokens) - 2) == add_bos and (ids[-1] == len(tokens) - 1) == add_eos
+    assert ours.decode(ids) == "hello"
+
+
+@pytest.mark.parametrize("pre, text, pieces", [
+    ("llama-bpe", "I'm 20245 years\n\n  old!", ["I", "'m", " ", "202", "45", " years", "\n\n",
+                                                 " ", " old", "!"]),
+    ("qwen2", "I'm 2024 years", ["I", "'m", " ", "2", "0", "2", "4", " years"]),
+])
+def test_llama3_and_qwen2_split_text_as_their_tokenizer_json_does(tmp_path, pre, text, pieces):
+    from redcoast.models.gguf import GGUFFile
+    from redcoast.models.tokenizer import _SPLITS, tokenizer_from_gguf
+
+    write_tokenizer_gguf(tmp_path / "t.gguf", pre)
+    tokenizer = tokenizer_from_gguf(GGUFFile(str(tmp_path / "t.gguf")))
+    split = tokenizer.pre_tokenizer.pre_tokenize_str
+
+    def words(t):
+        return [t[a:b] for _, (a, b) in split(t)]
+    assert words(text) == pieces
+    # against the pattern applied by another regex engine (tiktoken's way: findall)
+    regex = pytest.importorskip("regex", reason="the reference split: pip install regex")
+    for t in [text, "Don'T  stop\r\n\tnow 1234567 héllo 日本語 🙂 x=[1,2]; ok?!  ", "a\n\n\nb  "]:
+        assert words(t) == regex.findall(_SPLITS[pre], t), t
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
 def test_unpermute_inverts_llama_cpp_row_order():
     from redcoast.models.gguf import unpermute_rows
 

@@ -43,9 +43,10 @@ def main():
     print(f"Loaded SmolLM2-135M-Instruct in {time.time() - start:.1f} s on "
           f"{jax.device_count()} devices (mesh {mesh}).")
 
-    # the file's own chat template (jinja2), as transformers renders it
-    prompts = [tokenizer.encode(model.chat_template.render([{"role": "user", "content": q}])).ids
-               for q in QUESTIONS]
+    # the file's own chat template (jinja2), as transformers renders it; the template writes
+    # any start token itself, so the tokenizer adds none (as apply_chat_template does)
+    prompts = [tokenizer.encode(model.chat_template.render([{"role": "user", "content": q}]),
+                                add_special_tokens=False).ids for q in QUESTIONS]
     end = tokenizer.token_to_id("<|im_end|>")  # the file's EOS (ends an assistant turn); padding
     input_ids, attention_mask = left_pad(prompts, pad_id=end)
     start = time.time()

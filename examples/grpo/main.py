@@ -157,7 +157,8 @@ def main():
         base = warm_start(deployer, model, base, train_problems[:256], template, tokenizer,
                           args.warm_epochs)
 
-    prompt_ids = {q: tokenizer.encode(template.render([{"role": "user", "content": q}])).ids
+    prompt_ids = {q: tokenizer.encode(template.render([{"role": "user", "content": q}]),
+                                      add_special_tokens=False).ids  # the template's own
                   for q, _ in train_problems + eval_problems}
     prompt_len = max(len(p) for p in prompt_ids.values())
     seq_len = -(-(prompt_len + max_new_tokens) // 8) * 8

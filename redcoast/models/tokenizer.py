@@ -18,6 +18,15 @@ _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", 
                      "minerva")
 _GPT2 = ("gpt2", "default", "gpt-2")
 
+# The split of the model's own tokenizer.json (a regex, then byte-level BPE without GPT-2's
+# split), for the names llama.cpp gives it: Llama 3 (numbers in runs of up to 3 digits) and
+# Qwen2 (digits one by one).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "stablelm2": _QWEN2_SPLIT}
+
 
 def _tokenizers():
     try:
@@ -35,8 +44,11 @@ def _pre_tokenizer(name):
         return byte_level
     if name in _DIGITS_THEN_GPT2:
         return pre.Sequence([pre.Digits(individual_digits=True), byte_level])
+    if name in _SPLITS:
+        split = pre.Split(_tokenizers().Regex(_SPLITS[name]), behavior="isolated", invert=False)
+        return pre.Sequence([split, pre.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ConfigError(f"GGUF pre-tokenizer {name!r} is not supported (redcoast rebuilds "
-                      f"{sorted(_GPT2 + _DIGITS_THEN_GPT2)}); load the tokenizer from the model's "
+                      f"{sorted(_GPT2 + _DIGITS_THEN_GPT2 + tuple(_SPLITS))}); load the tokenizer from the model's "
                       "tokenizer.json with tokenizers.Tokenizer.from_file instead, and pass "
                       "with_tokenizer=False to from_gguf.")
 
@@ -69,10 +81,29 @@ def tokenizer_from_gguf(file):
                           "byte-level BPE ('gpt2') tokenizers only. Load the tokenizer from the "
                           "model's tokenizer.json with tokenizers.Tokenizer.from_file, and pass "
                           "with_tokenizer=False to from_gguf.")
-    return build_tokenizer(file.require("tokenizer.ggml.tokens"),
-                           file.require("tokenizer.ggml.merges"),
-                           file.get("tokenizer.ggml.token_type"),
-                           file.get("tokenizer.ggml.pre", "gpt2"))
+    tokens = file.require("tokenizer.ggml.tokens")
+    tokenizer = build_tokenizer(tokens, file.require("tokenizer.ggml.merges"),
+                                file.get("tokenizer.ggml.token_type"),
+                                file.get("tokenizer.ggml.pre", "gpt2"))
+    added = {end: tokens[file.get(f"tokenizer.ggml.{end}_token_id")] for end in ("bos", "eos")
+             if file.get(f"tokenizer.ggml.add_{end}_token", False)
+             and file.get(f"tokenizer.ggml.{end}_token_id") is not None}
+    if added:
+        tokenizer.post_processor = _adding(added, tokenizer)
+    return tokenizer
+
+
+def _adding(added, tokenizer):
+    """A post-processor that puts the file's BOS before and EOS after each text, as llama.cpp
+    and transformers do where the file says ``add_bos_token`` / ``add_eos_token`` (Llama 3):
+    ``encode(text)`` adds them, ``encode(text, add_special_tokens=False)`` (a chat template's
+    text, which writes them itself) does not."""
+    def around(part, index):
+        return " ".join(([f"{added['bos']}:{index}"] if "bos" in added else []) + [f"${part}:{index}"]
+                        + ([f"{added['eos']}:{index}"] if "eos" in added else []))
+    return _tokenizers().processors.TemplateProcessing(
+        single=around("A", 0), pair=f"{around('A', 0)} {around('B', 1)}",
+        special_tokens=[(t, tokenizer.token_to_id(t)) for t in added.values()])
 
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
