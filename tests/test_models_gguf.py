@@ -5,6 +5,7 @@ its logits split over 2 devices against one device.
 """
 
 import importlib.util
+import math
 import os
 import sys
 
@@ -181,6 +182,127 @@ def test_llama3_and_qwen2_split_text_as_their_tokenizer_json_does(tmp_path, pre,
     for t in [text, "Don'T  stop\r\n\tnow 1234567 héllo 日本語 🙂 x=[1,2]; ok?!  ", "a\n\n\nb  "]:
         assert words(t) == regex.findall(_SPLITS[pre], t), t
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def llama_cpp_llama3_rope_freqs(theta, head_dim, factor, low=1.0, high=4.0, old=8192):
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3's scaling (its loop, over
+    float32 frequencies as it computes them)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def write_llama_gguf(path, reference, rope_freqs=None, linear_factor=None):
+    """A transformers Llama written as llama.cpp writes it: its names, Q/K rows in llama.cpp's
+    rotary order, fp32, the RoPE scaling as rope_freqs or as linear metadata."""
+    import gguf
+
+    c = reference.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    if linear_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(linear_factor)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj":
+             "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in reference.state_dict().items():
+        w = tensor.detach().numpy().astype(np.float32)
+        module, kind = name.rsplit(".", 1)
+        if module.startswith("model.layers."):
+            layer, module = module.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+            heads = {"self_attn.q_proj": c.num_attention_heads,
+                     "self_attn.k_proj": c.num_key_value_heads}.get(module)
+            if heads:  # each head's two rotary halves interleaved, as llama.cpp stores them
+                w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+                w = w.reshape(tensor.shape)
+        else:
+            gguf_name = f"{names[module]}.{kind}"
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+
+
+@pytest.mark.parametrize("scaling", ["llama3", "linear"])
+def test_a_files_rope_scaling_gives_transformers_logits(tmp_path, scaling):
+    # Llama 3.1 / 3.2 files hold their RoPE scaling as rope_freqs (a divisor per frequency),
+    # older ones as linear metadata: the model read from each computes what transformers
+    # computes from config.json's rope_parameters, and without the scaling it would not
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    transformers = pytest.importorskip("transformers", reason=TORCH_REASON)
+    from redcoast.models import from_gguf
+
+    theta, head_dim = 500000.0, 16
+    rope = ({"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            if scaling == "llama3" else {"rope_type": "linear", "rope_theta": theta,
+                                         "factor": 4.0})
+    torch.manual_seed(0)
+    config = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                  max_position_embeddings=16384, initializer_range=0.2)
+    reference = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**config, rope_parameters=rope)).eval()
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **config, rope_parameters={"rope_type": "default", "rope_theta": theta})).eval()
+    plain.load_state_dict(reference.state_dict())
+    freqs = llama_cpp_llama3_rope_freqs(theta, head_dim, 8.0) if scaling == "llama3" else None
+    assert freqs is None or sorted(set(freqs.round(3))) == [1.0, 2.695, 8.0]  # all three kinds
+    write_llama_gguf(tmp_path / "m.gguf", reference, freqs, 4.0 if scaling == "linear" else None)
+
+    model, params, _ = from_gguf(str(tmp_path / "m.gguf"), with_tokenizer=False)
+    assert model.config.rope_scaling["rope_type"] == scaling
+    ids = np.random.default_rng(0).integers(0, 96, (1, 200))
+    ours = np.asarray(model.apply(params, ids))
+    with torch.no_grad():
+        theirs = reference(torch.tensor(ids)).logits.numpy()
+        unscaled = plain(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert np.abs(unscaled - theirs).max() > 100 * 1e-4  # the test can tell the scaling
+
+
+def test_rope_freqs_of_another_scaling_are_named(tmp_path):
+    import gguf
+    from redcoast.models.gguf import GGUFFile, hf_config
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64),
+                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 96),
+                       (writer.add_head_count, 4), (writer.add_layer_norm_rms_eps, 1e-5),
+                       (writer.add_rope_freq_base, 500000.0), (writer.add_vocab_size, 96)):
+        add(value)
+    # the low/high factors of another model (2 and 8): the same factor, other divisors
+    writer.add_tensor("rope_freqs.weight",
+                      llama_cpp_llama3_rope_freqs(500000.0, 16, 8.0, low=2.0, high=8.0))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    with pytest.raises(ConfigError, match=r"rope_freqs .* are not Llama 3's RoPE scaling with "
+                                          r"factor 8 .*from_pretrained"):
+        hf_config(GGUFFile(str(tmp_path / "m.gguf")))
 
 
 def test_unpermute_inverts_llama_cpp_row_order():

@@ -60,10 +60,6 @@ def hf_name(gguf_name):
     m = _GLOBAL.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    if gguf_name == "rope_freqs.weight":
-        raise ConfigError("this GGUF file scales RoPE frequencies (rope_freqs, Llama 3.1 style), "
-                          "which redcoast's GGUF reader does not support; load the model's "
-                          "Hugging Face folder with from_pretrained instead.")
     raise ConfigError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart; the file "
                       "is not a plain Llama model.")
 
@@ -120,10 +116,8 @@ def hf_config(file):
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tokens = file.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens is not None else int(key("vocab_size"))
-    if opt("rope.scaling.type") not in (None, "none"):
-        raise ConfigError(f"this GGUF file uses RoPE scaling {opt('rope.scaling.type')!r}, which "
-                          "redcoast's GGUF reader does not support; load the model's Hugging Face "
-                          "folder with from_pretrained instead.")
+    head_dim = int(opt("attention.key_length", hidden // heads))
+    rope_theta = float(opt("rope.freq_base", 10000.0))
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -133,10 +127,10 @@ def hf_config(file):
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(opt("attention.head_count_kv", heads)),
-        "head_dim": int(opt("attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(opt("rope.freq_base", 10000.0)),
+        "rope_theta": rope_theta,
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in file.tensors,
         "mlp_bias": False,
@@ -144,11 +138,57 @@ def hf_config(file):
         "tie_word_embeddings": "output.weight" not in file.tensors,
         "torch_dtype": "float32",
     }
+    scaling = rope_scaling(file, opt, rope_theta, head_dim)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     for name in ("bos", "eos", "padding"):
         value = file.get(f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             config[f"{'pad' if name == 'padding' else name}_token_id"] = int(value)
     return config
+
+
+# Llama 3.1 and 3.2's RoPE scaling besides its factor, which llama.cpp's converter also takes
+# where config.json leaves them out; it stores the per-frequency divisors (rope_freqs) alone
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def rope_scaling(file, opt, rope_theta, head_dim):
+    """The Hugging Face ``rope_scaling`` of a GGUF file: linear from its metadata, Llama 3's
+    recognised in its ``rope_freqs`` tensor (the divisor of each rotary frequency), or None."""
+    kind = opt("rope.scaling.type")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(opt("rope.scaling.factor", 1.0))}
+    if kind not in (None, "none"):
+        raise ConfigError(f"this GGUF file uses RoPE scaling {kind!r}, which redcoast's GGUF "
+                          "reader does not support (linear, and Llama 3's rope_freqs, it does); "
+                          "load the model's Hugging Face folder with from_pretrained instead.")
+    if "rope_freqs.weight" not in file.tensors:
+        return None
+    t = file.tensors["rope_freqs.weight"]
+    divisors = np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type), np.float64).ravel()
+    factor = float(divisors.max())
+    scaling = {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
+    expected = llama3_divisors(rope_theta, head_dim, scaling)
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-6, atol=0):
+        raise ConfigError(
+            f"this GGUF file's rope_freqs ({divisors.size} divisors from {divisors.min():.4g} to "
+            f"{factor:.4g}) are not Llama 3's RoPE scaling with factor {factor:.4g} and "
+            f"{LLAMA3_ROPE}, the one redcoast recognises; load the model's Hugging Face folder "
+            "with from_pretrained instead.")
+    return scaling
+
+
+def llama3_divisors(rope_theta, head_dim, scaling):
+    """What each rotary frequency ``rope_theta ** (-2i / head_dim)`` is divided by under Llama
+    3's scaling: 1 for short wavelengths, ``factor`` for long ones, a smooth blend between."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old, low, high = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor",
+                                           "high_freq_factor"))
+    smooth = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1.0 - smooth) / scaling["factor"] + smooth)
 
 
 class GGUFTensors(Mapping):
@@ -163,7 +203,9 @@ class GGUFTensors(Mapping):
         self.file = file
         self._heads = {"self_attn.q_proj": config["num_attention_heads"],
                        "self_attn.k_proj": config["num_key_value_heads"]}
-        self._source = {hf_name(name): t for name, t in file.tensors.items()}
+        # rope_freqs is a setting (read into the config's rope_scaling), not a parameter
+        self._source = {hf_name(name): t for name, t in file.tensors.items()
+                        if name != "rope_freqs.weight"}
         self._last = (None, None)
 
     def __getitem__(self, name):
