@@ -282,6 +282,13 @@ def test_a_files_rope_scaling_gives_transformers_logits(tmp_path, scaling):
         unscaled = plain(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
     assert np.abs(unscaled - theirs).max() > 100 * 1e-4  # the test can tell the scaling
+    # handed on: the folder save_pretrained writes loads in transformers with the scaling
+    from redcoast.models import save_pretrained
+    save_pretrained(model, params, tmp_path / "folder")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folder").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(exported(torch.tensor(ids)).logits.numpy(), theirs,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_rope_freqs_of_another_scaling_are_named(tmp_path):
