@@ -201,13 +201,14 @@ def llama_cpp_llama3_rope_freqs(theta, head_dim, factor, low=1.0, high=4.0, old=
     return np.array(out, np.float32)
 
 
-def write_llama_gguf(path, reference, rope_freqs=None, linear_factor=None):
-    """A transformers Llama written as llama.cpp writes it: its names, Q/K rows in llama.cpp's
-    rotary order, fp32, the RoPE scaling as rope_freqs or as linear metadata."""
+def write_llama_gguf(path, reference, rope_freqs=None, linear_factor=None, arch="llama"):
+    """A transformers Llama (or Qwen2) written as llama.cpp writes it: its names, fp32, a
+    Llama's Q/K rows in llama.cpp's rotary order (a Qwen2's as they are), the RoPE scaling as
+    rope_freqs or as linear metadata."""
     import gguf
 
     c = reference.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -233,7 +234,8 @@ def write_llama_gguf(path, reference, rope_freqs=None, linear_factor=None):
             gguf_name = f"blk.{layer}.{names[module]}.{kind}"
             heads = {"self_attn.q_proj": c.num_attention_heads,
                      "self_attn.k_proj": c.num_key_value_heads}.get(module)
-            if heads:  # each head's two rotary halves interleaved, as llama.cpp stores them
+            if heads and arch == "llama":  # each head's rotary halves interleaved, as llama.cpp
+                # stores a Llama's
                 w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
                 w = w.reshape(tensor.shape)
         else:
@@ -289,6 +291,39 @@ def test_a_files_rope_scaling_gives_transformers_logits(tmp_path, scaling):
     with torch.no_grad():
         np.testing.assert_allclose(exported(torch.tensor(ids)).logits.numpy(), theirs,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_qwen2_file_gives_transformers_logits(tmp_path):
+    # Qwen2 (2.5) files: q/k/v biases, Q/K rows stored unpermuted, llama.cpp's "qwen2" split;
+    # transformers' own GGUF loader reads the written file back to the reference (the file is
+    # as llama.cpp writes it), and redcoast's model from it computes the same logits
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    transformers = pytest.importorskip("transformers", reason=TORCH_REASON)
+    from redcoast.models import from_gguf
+
+    torch.manual_seed(0)
+    reference = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.2, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})).eval()
+    with torch.no_grad():  # biases away from zero, so that a wrong or missing one shows
+        for name, p in reference.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    write_llama_gguf(tmp_path / "q.gguf", reference, arch="qwen2")
+    write_tokenizer_gguf(tmp_path / "t.gguf", "qwen2")  # (a tokenizer file of its own)
+
+    ids = np.random.default_rng(0).integers(0, 96, (1, 40))
+    with torch.no_grad():
+        theirs = reference(torch.tensor(ids)).logits.numpy()
+        read_back = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file="q.gguf").eval()(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(read_back, theirs, rtol=1e-5, atol=1e-5)
+    model, params, _ = from_gguf(str(tmp_path / "q.gguf"), with_tokenizer=False)
+    assert model.config.attention_bias and model.config.sliding_window is None
+    np.testing.assert_allclose(np.asarray(model.apply(params, ids)), theirs, rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_rope_freqs_of_another_scaling_are_named(tmp_path):

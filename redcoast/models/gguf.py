@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format) for the Llama family: config, weights and tokenizer.
+"""GGUF files (llama.cpp's format) of the Llama family (its ``llama`` and ``qwen2`` files):
+config, weights and tokenizer.
 
 A GGUF file holds the model's hyperparameters and tokenizer as metadata and its tensors, often
 quantised, under llama.cpp's names. :func:`read_gguf` turns that into what a Hugging Face folder
@@ -21,7 +22,9 @@ import numpy as np
 from ..errors import ConfigError
 from .gguf_header import read_header
 
-ARCHITECTURES = ("llama",)
+# llama.cpp's architecture -> the Hugging Face model_type and class it was converted from; only
+# llama's converter reorders the Q/K rows (for its rotary kernel), Qwen2's stores them as they are
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
 
 # llama.cpp's tensor names -> Hugging Face Llama names ("{}" is the layer number)
 _GLOBAL_NAMES = {
@@ -118,9 +121,10 @@ def hf_config(file):
     vocab = len(tokens) if tokens is not None else int(key("vocab_size"))
     head_dim = int(opt("attention.key_length", hidden // heads))
     rope_theta = float(opt("rope.freq_base", 10000.0))
+    model_type, architecture = ARCHITECTURES[arch]
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [architecture],
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
@@ -138,6 +142,8 @@ def hf_config(file):
         "tie_word_embeddings": "output.weight" not in file.tensors,
         "torch_dtype": "float32",
     }
+    if model_type == "qwen2":  # q/k/v biases always; llama.cpp's files use no sliding window
+        config.update(use_sliding_window=False, attention_bias=True)
     scaling = rope_scaling(file, opt, rope_theta, head_dim)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -201,8 +207,9 @@ class GGUFTensors(Mapping):
 
     def __init__(self, file, config):
         self.file = file
-        self._heads = {"self_attn.q_proj": config["num_attention_heads"],
-                       "self_attn.k_proj": config["num_key_value_heads"]}
+        self._heads = ({"self_attn.q_proj": config["num_attention_heads"],
+                        "self_attn.k_proj": config["num_key_value_heads"]}
+                       if config["model_type"] == "llama" else {})
         # rope_freqs is a setting (read into the config's rope_scaling), not a parameter
         self._source = {hf_name(name): t for name, t in file.tensors.items()
                         if name != "rope_freqs.weight"}
