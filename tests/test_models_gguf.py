@@ -159,6 +159,12 @@ def test_a_files_add_bos_and_eos_are_followed_as_transformers_follows_them(tmp_p
     ids = ours.encode("hello").ids
     assert (ids[0] == len(tokens) - 2) == add_bos and (ids[-1] == len(tokens) - 1) == add_eos
     assert ours.decode(ids) == "hello"
+    # handed on: the tokenizer save_pretrained writes adds them in transformers too
+    from redcoast.models.folder_extras import write_tokenizer
+    (tmp_path / "folder").mkdir()
+    write_tokenizer(tmp_path / "folder", ours, None, {})
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "folder")
+    assert exported("hello world")["input_ids"] == ours.encode("hello world").ids
 
 
 @pytest.mark.parametrize("pre, text, pieces", [
