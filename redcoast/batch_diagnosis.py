@@ -3,7 +3,8 @@
 JAX gives NaN, silently, for what PyTorch ignores or refuses: a label of -100 (PyTorch's
 ``ignore_index``; ``optax.softmax_cross_entropy_with_integer_labels`` returns NaN for it, and
 a mask multiplying it keeps the NaN) and a token id outside the embedding's rows (an
-out-of-range gather is filled with NaN). These read host arrays after the fact, to say which.
+out-of-range gather is filled with NaN). These read the arrays after the fact, on the host,
+to say which.
 """
 
 import jax
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .host import to_host
+
 
 def vocab_size_of(apply_fn):
     """The vocabulary size of the model whose bound ``apply`` (or ``__call__``) this is,

@@ -12,8 +12,8 @@ from tqdm.auto import tqdm
 
 from . import validate
 from .abstract import placed
-from .batch_diagnosis import batch_findings, params_findings, vocab_size_of
 from .actions import fit_actions
+from .batch_diagnosis import batch_findings, params_findings, vocab_size_of
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
 from .errors import DATA_CAUSES, ConfigError, NonFiniteLossError
 from .evaluation import EvalRun, check_eval_loss, first_eval_batch

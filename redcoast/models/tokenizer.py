@@ -47,8 +47,9 @@ def _pre_tokenizer(name):
     if name in _SPLITS:
         split = pre.Split(_tokenizers().Regex(_SPLITS[name]), behavior="isolated", invert=False)
         return pre.Sequence([split, pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+    supported = sorted(_GPT2 + _DIGITS_THEN_GPT2 + tuple(_SPLITS))
     raise ConfigError(f"GGUF pre-tokenizer {name!r} is not supported (redcoast rebuilds "
-                      f"{sorted(_GPT2 + _DIGITS_THEN_GPT2 + tuple(_SPLITS))}); load the tokenizer from the model's "
+                      f"{supported}); load the tokenizer from the model's "
                       "tokenizer.json with tokenizers.Tokenizer.from_file instead, and pass "
                       "with_tokenizer=False to from_gguf.")
 
@@ -99,8 +100,8 @@ def _adding(added, tokenizer):
     ``encode(text)`` adds them, ``encode(text, add_special_tokens=False)`` (a chat template's
     text, which writes them itself) does not."""
     def around(part, index):
-        return " ".join(([f"{added['bos']}:{index}"] if "bos" in added else []) + [f"${part}:{index}"]
-                        + ([f"{added['eos']}:{index}"] if "eos" in added else []))
+        pieces = [added.get("bos"), f"${part}", added.get("eos")]
+        return " ".join(f"{piece}:{index}" for piece in pieces if piece is not None)
     return _tokenizers().processors.TemplateProcessing(
         single=around("A", 0), pair=f"{around('A', 0)} {around('B', 1)}",
         special_tokens=[(t, tokenizer.token_to_id(t)) for t in added.values()])
