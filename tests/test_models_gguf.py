@@ -330,6 +330,14 @@ def test_a_qwen2_file_gives_transformers_logits(tmp_path):
     assert model.config.attention_bias and model.config.sliding_window is None
     np.testing.assert_allclose(np.asarray(model.apply(params, ids)), theirs, rtol=1e-4,
                                atol=1e-4)
+    # handed on: the folder save_pretrained writes is a Qwen2 in transformers, same logits
+    from redcoast.models import save_pretrained
+    save_pretrained(model, params, tmp_path / "folder")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folder").eval()
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        np.testing.assert_allclose(exported(torch.tensor(ids)).logits.numpy(), theirs,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_rope_freqs_of_another_scaling_are_named(tmp_path):
