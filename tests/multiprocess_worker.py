@@ -4,6 +4,7 @@
         [PROCESS_ID N_PROCESSES PORT N_LOCAL_DEVICES]
     python multiprocess_worker.py OUT_DIR ckpt
     python multiprocess_worker.py OUT_DIR gqa
+    python multiprocess_worker.py OUT_DIR nan
 
 With the last four arguments the Deployer gets them explicitly; without them it finds its place
 in the run by itself (under ``redcoast launch``: from the REDCOAST_* variables). One run of
@@ -13,6 +14,9 @@ results, and how many examples it collated, to OUT_DIR/process_{id}_mp{n}.npz.
 ``gqa``: train tests/architectures.py's gqa (2 KV heads) on 4 model shards with the matmul
 fusion on, so its K/V are kept by groups of shards ('mp:2'); save the parameters and K's spec to
 OUT_DIR/gqa_{id}.npz.
+
+``nan``: train on labels of -100 (a NaN loss at step 0) and write the NonFiniteLossError's
+message to OUT_DIR/nan_{id}.txt.
 
 ``ckpt``: restore the checkpoint found in OUT_DIR/workdir (written by another number of
 processes), save what was restored, train one more epoch from it, save a checkpoint there and
@@ -82,6 +86,36 @@ def grouped_kv_run(out_dir):
     return state
 
 
+def nan_run(out_dir):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from redcoast import Deployer, NonFiniteLossError, Trainer
+    from tiny_lm import collate_fn, make_examples, make_model
+
+    def collate(examples):  # the last 3 labels padding, -100 as PyTorch's ignore_index
+        ids = collate_fn(examples)["ids"]
+        labels, mask = ids[:, 1:].copy(), np.ones(ids[:, 1:].shape, np.float32)
+        labels[:, -3:], mask[:, -3:] = -100, 0.0
+        return {"ids": ids, "labels": labels, "mask": mask}
+
+    def loss(rng, state, params, batch, is_training):
+        logits = state.apply_fn({"params": params}, batch["ids"][:, :-1])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)  # before any JAX call
+    model, params = make_model()
+    trainer = Trainer(deployer, collate, model.apply, loss, params, optax.adamw(1e-2))
+    try:
+        trainer.train(make_examples(16), 1)
+        message = "no error"
+    except NonFiniteLossError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, f"nan_{jax.process_index()}.txt"), "w") as f:
+        f.write(message)
+
+
 def main():
     out_dir = sys.argv[1]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -89,6 +123,8 @@ def main():
         return checkpoint_round_trip(out_dir)
     if sys.argv[2] == "gqa":
         return grouped_kv_run(out_dir)
+    if sys.argv[2] == "nan":
+        return nan_run(out_dir)
     shard_counts = [int(n) for n in sys.argv[2].split(",")]
     explicit = {}
     if len(sys.argv) > 3:

@@ -199,3 +199,16 @@ def test_kv_heads_kept_by_groups_train_alike_on_two_processes(tmp_path):
         for key, value in one.items():
             if key != "k_spec":
                 np.testing.assert_allclose(two[key], value, rtol=1e-5, atol=1e-6, err_msg=f"process {i}: {key}")
+
+
+@pytest.mark.slow
+def test_a_nan_loss_at_step_0_is_explained_on_every_process(tmp_path):
+    # the first batch and the parameters are read across the processes (each holds its part)
+    cmd = [sys.executable, "-m", "redcoast.launch", "-n", "2", "--local-devices", "4", WORKER,
+           str(tmp_path), "nan"]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for i in range(2):
+        message = (tmp_path / f"nan_{i}.txt").read_text()
+        assert "at step 0" in message and "learning rate is not the cause" in message, message
+        assert "batch['labels'] holds negative values (the smallest -100" in message, message
