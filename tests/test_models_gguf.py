@@ -167,6 +167,55 @@ def test_a_files_add_bos_and_eos_are_followed_as_transformers_follows_them(tmp_p
     assert exported("hello world")["input_ids"] == ours.encode("hello world").ids
 
 
+def write_sentencepiece_gguf(path, add_bos=None):
+    """A GGUF file holding a SentencePiece BPE tokenizer alone (llama.cpp's "llama" model, as
+    Llama 2's and Mistral's files): unknown, BOS, EOS, the 256 byte pieces, characters and
+    merged pieces scored as SentencePiece scores them (higher, earlier)."""
+    import gguf
+
+    pieces = {"▁": -1.0, "h": -9.0, "e": -9.1, "l": -9.2, "o": -9.3, "w": -9.4, "r": -9.5,
+              "d": -9.6, "▁h": -2.0, "he": -2.5, "ll": -3.0, "▁he": -3.5, "llo": -4.0,
+              "▁hello": -4.5, "▁w": -5.0, "or": -5.5, "▁wor": -6.0, "ld": -6.5, "▁world": -7.0,
+              "lo": -8.0}
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + list(pieces.values()))
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    return tokens
+
+
+@pytest.mark.parametrize("add_bos", [None, False])
+def test_a_sentencepiece_file_tokenizes_as_transformers_reads_it(tmp_path, add_bos):
+    # Llama 2, Mistral and TinyLlama files: SentencePiece BPE with merges implied by the
+    # scores, "▁" for spaces, byte fallback; BOS added unless the file says not to
+    transformers = pytest.importorskip("transformers", reason=TORCH_REASON)
+    from redcoast.models.gguf import GGUFFile
+    from redcoast.models.tokenizer import tokenizer_from_gguf
+
+    tokens = write_sentencepiece_gguf(tmp_path / "s.gguf", add_bos)
+    ours = tokenizer_from_gguf(GGUFFile(str(tmp_path / "s.gguf")))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="s.gguf")
+    for text in ["hello world", " hello", "hello  world\n", "héllo 日本 world", "lo", "",
+                 "<s>hello</s>"]:
+        assert ours.encode(text).ids == theirs(text)["input_ids"], text
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == theirs(text, add_special_tokens=False)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+    assert ours.encode("hello world").ids == [1] * (add_bos is None) + [
+        tokens.index("▁hello"), tokens.index("▁world")]
+    assert ours.encode("é").ids[-2:] == [3 + 0xC3, 3 + 0xA9]  # its UTF-8 bytes, <0xC3> <0xA9>
+
+
 @pytest.mark.parametrize("pre, text, pieces", [
     ("llama-bpe", "I'm 20245 years\n\n  old!", ["I", "'m", " ", "202", "45", " years", "\n\n",
                                                  " ", " old", "!"]),

@@ -74,20 +74,63 @@ def build_tokenizer(tokens, merges, token_types=None, pre="gpt2"):
     return tokenizer
 
 
+def build_sentencepiece_tokenizer(tokens, scores, token_types=None):
+    """A SentencePiece BPE ``tokenizers.Tokenizer`` (llama.cpp's "llama" tokenizer model: Llama
+    2, Mistral, TinyLlama) from GGUF-style lists, as transformers rebuilds one: the merges
+    recovered from the pieces' scores, "▁" for each space and one before the text, bytes
+    outside the vocabulary as their ``<0xNN>`` pieces."""
+    tk = _tokenizers()
+    vocab = {token: i for i, token in enumerate(tokens)}
+    kinds = [int(k) for k in token_types] if token_types is not None else []
+    unknown = next((tokens[i] for i, kind in enumerate(kinds) if kind == 2), None)
+    tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=_merges_by_score(vocab, scores),
+                                           unk_token=unknown, fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="▁",
+                                                          prepend_scheme="first", split=False)
+    d = tk.decoders
+    tokenizer.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse(),
+                                    d.Strip(content=" ", left=1, right=0)])
+    special = [tokens[i] for i, kind in enumerate(kinds) if kind in _SPECIAL_TYPES]
+    tokenizer.add_special_tokens([tk.AddedToken(t, special=True, normalized=False)
+                                  for t in special])
+    return tokenizer
+
+
+def _merges_by_score(vocab, scores):
+    """BPE merges of a SentencePiece vocabulary: every split of a piece into two pieces, the
+    higher the whole piece's score the earlier (then the longer left part, the longer right)."""
+    merges = []
+    for piece, score in zip(vocab, scores):
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                  if piece[:i] in vocab and piece[i:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges += [(left, right, float(score)) for left, right in splits]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
 def tokenizer_from_gguf(file):
-    """The tokenizer of a :class:`redcoast.models.gguf.GGUFFile` (byte-level BPE models)."""
+    """The tokenizer of a :class:`redcoast.models.gguf.GGUFFile`: byte-level BPE ("gpt2")
+    or SentencePiece BPE ("llama")."""
     kind = file.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ConfigError(f"GGUF tokenizer model {kind!r} is not supported; redcoast rebuilds "
-                          "byte-level BPE ('gpt2') tokenizers only. Load the tokenizer from the "
-                          "model's tokenizer.json with tokenizers.Tokenizer.from_file, and pass "
-                          "with_tokenizer=False to from_gguf.")
     tokens = file.require("tokenizer.ggml.tokens")
-    tokenizer = build_tokenizer(tokens, file.require("tokenizer.ggml.merges"),
-                                file.get("tokenizer.ggml.token_type"),
-                                file.get("tokenizer.ggml.pre", "gpt2"))
+    if kind == "gpt2":
+        tokenizer = build_tokenizer(tokens, file.require("tokenizer.ggml.merges"),
+                                    file.get("tokenizer.ggml.token_type"),
+                                    file.get("tokenizer.ggml.pre", "gpt2"))
+    elif kind == "llama":
+        tokenizer = build_sentencepiece_tokenizer(tokens, file.require("tokenizer.ggml.scores"),
+                                                  file.get("tokenizer.ggml.token_type"))
+    else:
+        raise ConfigError(f"GGUF tokenizer model {kind!r} is not supported; redcoast rebuilds "
+                          "byte-level BPE ('gpt2') and SentencePiece BPE ('llama') tokenizers. "
+                          "Load the tokenizer from the model's tokenizer.json with "
+                          "tokenizers.Tokenizer.from_file, and pass with_tokenizer=False to "
+                          "from_gguf.")
+    # a SentencePiece file that does not say adds BOS (llama.cpp's default, and transformers')
+    adds = {"bos": kind == "llama", "eos": False}
     added = {end: tokens[file.get(f"tokenizer.ggml.{end}_token_id")] for end in ("bos", "eos")
-             if file.get(f"tokenizer.ggml.add_{end}_token", False)
+             if file.get(f"tokenizer.ggml.add_{end}_token", adds[end])
              and file.get(f"tokenizer.ggml.{end}_token_id") is not None}
     if added:
         tokenizer.post_processor = _adding(added, tokenizer)
