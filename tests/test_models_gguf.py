@@ -49,6 +49,14 @@ def tokenizer(gguf_file):
     return tokenizer_from_gguf(gguf_file[1].file)
 
 
+def finish(writer):
+    """Write a ``gguf.GGUFWriter``'s header, metadata and tensors, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _assert_header_is_gguf_readers(path):
     """redcoast's one-pass header read against ``gguf.GGUFReader``: every metadata value,
     every tensor's name, type, dimensions and mapped data."""
@@ -97,10 +105,7 @@ def test_every_value_and_tensor_type_reads_as_gguf_reads_it(tmp_path, endianess)
     weights = rng.normal(size=(4, 64)).astype(np.float32)
     writer.add_tensor("q8", gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0),
                       raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     _assert_header_is_gguf_readers(path)
 
 
@@ -133,9 +138,7 @@ def write_tokenizer_gguf(path, pre, add_bos=False, add_eos=False):
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_add_bos_token(add_bos)
     writer.add_add_eos_token(add_eos)
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                  writer.write_tensors_to_file, writer.close):
-        write()
+    finish(writer)
     return tokens
 
 
@@ -188,9 +191,7 @@ def write_sentencepiece_gguf(path, add_bos=None):
     writer.add_unk_token_id(0)
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                  writer.write_tensors_to_file, writer.close):
-        write()
+    finish(writer)
     return tokens
 
 
@@ -298,9 +299,7 @@ def write_llama_gguf(path, reference, rope_freqs=None, linear_factor=None, arch=
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                  writer.write_tensors_to_file, writer.close):
-        write()
+    finish(writer)
 
 
 @pytest.mark.parametrize("scaling", ["llama3", "linear"])
@@ -402,9 +401,7 @@ def test_rope_freqs_of_another_scaling_are_named(tmp_path):
     # the low/high factors of another model (2 and 8): the same factor, other divisors
     writer.add_tensor("rope_freqs.weight",
                       llama_cpp_llama3_rope_freqs(500000.0, 16, 8.0, low=2.0, high=8.0))
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                  writer.write_tensors_to_file, writer.close):
-        write()
+    finish(writer)
     with pytest.raises(ConfigError, match=r"rope_freqs .* are not Llama 3's RoPE scaling with "
                                           r"factor 8 .*from_pretrained"):
         hf_config(GGUFFile(str(tmp_path / "m.gguf")))
