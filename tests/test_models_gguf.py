@@ -127,13 +127,13 @@ def write_tokenizer_gguf(path, pre, add_bos=False, add_eos=False):
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2",
               "12 3", "Ġ 1"]
     tokens = sorted(ByteLevel.alphabet()) + [m.replace(" ", "") for m in merges] + [
-        "<|begin_of_text|>", "<|end_of_text|>"]
+        "<think>", "<|begin_of_text|>", "<|end_of_text|>"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
-    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_token_types([1] * (len(tokens) - 3) + [4, 3, 3])  # <think>: user-defined
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_add_bos_token(add_bos)
@@ -154,8 +154,10 @@ def test_a_files_add_bos_and_eos_are_followed_as_transformers_follows_them(tmp_p
     tokens = write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", add_bos, add_eos)
     ours = tokenizer_from_gguf(GGUFFile(str(tmp_path / "t.gguf")))
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
-    for text in ["hello world", "hello", " 123 world\n", ""]:
+    for text in ["hello world", "hello", " 123 world\n", "", "<think>hello<|end_of_text|>"]:
         assert ours.encode(text).ids == theirs(text)["input_ids"], text
+        ids = ours.encode(text).ids  # user-defined tokens kept in text, control ones dropped
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
         assert (ours.encode(text, add_special_tokens=False).ids
                 == theirs(text, add_special_tokens=False)["input_ids"]), text
         assert ours.encode(text, "world").ids == theirs(text, "world")["input_ids"], text

@@ -9,8 +9,10 @@ enough to rebuild a ``tokenizers.Tokenizer`` without the original tokenizer.json
 
 from ..errors import ConfigError
 
-# llama.cpp token types (gguf.TokenType): 3 control, 4 user-defined; both are matched whole.
-_SPECIAL_TYPES = (3, 4)
+# llama.cpp token types (gguf.TokenType): 3 control (special: dropped by skip_special_tokens),
+# 4 user-defined (e.g. <think>: kept in decoded text); both are matched whole, as transformers
+# and llama.cpp match them
+_CONTROL, _USER_DEFINED = 3, 4
 
 # GPT-2's split (contractions, letters, numbers, other symbols, spaces), after digits are split
 # one by one: llama.cpp uses it for "smollm", "starcoder", "refact" and a few others.
@@ -59,7 +61,7 @@ def build_tokenizer(tokens, merges, token_types=None, pre="gpt2"):
 
     ``tokens``: the vocabulary (id = position); ``merges``: "left right" strings, highest
     priority first; ``token_types``: llama.cpp token types (control and user-defined tokens
-    become special tokens matched whole); ``pre``: the ``tokenizer.ggml.pre`` name.
+    are matched whole, control ones special); ``pre``: the ``tokenizer.ggml.pre`` name.
     """
     tk = _tokenizers()
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -67,11 +69,19 @@ def build_tokenizer(tokens, merges, token_types=None, pre="gpt2"):
     tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = tk.decoders.ByteLevel()
-    if token_types is not None:
-        special = [tokens[i] for i, kind in enumerate(token_types) if int(kind) in _SPECIAL_TYPES]
-        tokenizer.add_special_tokens(
-            [tk.AddedToken(t, special=True, normalized=False) for t in special])
+    _add_whole_tokens(tokenizer, tokens, token_types)
     return tokenizer
+
+
+def _add_whole_tokens(tokenizer, tokens, token_types):
+    """Control and user-defined tokens matched whole in the text (control ones special)."""
+    tk = _tokenizers()
+    kinds = [int(k) for k in token_types] if token_types is not None else []
+    for kind, special in ((_CONTROL, True), (_USER_DEFINED, False)):
+        whole = [tk.AddedToken(tokens[i], special=special, normalized=False)
+                 for i, k in enumerate(kinds) if k == kind]
+        if whole:
+            (tokenizer.add_special_tokens if special else tokenizer.add_tokens)(whole)
 
 
 def build_sentencepiece_tokenizer(tokens, scores, token_types=None):
@@ -90,9 +100,7 @@ def build_sentencepiece_tokenizer(tokens, scores, token_types=None):
     d = tk.decoders
     tokenizer.decoder = d.Sequence([d.Replace("▁", " "), d.ByteFallback(), d.Fuse(),
                                     d.Strip(content=" ", left=1, right=0)])
-    special = [tokens[i] for i, kind in enumerate(kinds) if kind in _SPECIAL_TYPES]
-    tokenizer.add_special_tokens([tk.AddedToken(t, special=True, normalized=False)
-                                  for t in special])
+    _add_whole_tokens(tokenizer, tokens, token_types)
     return tokenizer
 
 
