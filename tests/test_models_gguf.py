@@ -182,12 +182,14 @@ def write_sentencepiece_gguf(path, add_bos=None):
               "d": -9.6, "▁h": -2.0, "he": -2.5, "ll": -3.0, "▁he": -3.5, "llo": -4.0,
               "▁hello": -4.5, "▁w": -5.0, "or": -5.5, "▁wor": -6.0, "ld": -6.5, "▁world": -7.0,
               "lo": -8.0}
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    # "ll" listed twice, the second time scored after "lo" (some files repeat a piece)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces) + [
+        "ll"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + list(pieces.values()))
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_token_scores([0.0] * 259 + list(pieces.values()) + [-8.5])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(pieces) + 1))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
@@ -209,7 +211,7 @@ def test_a_sentencepiece_file_tokenizes_as_transformers_reads_it(tmp_path, add_b
     ours = tokenizer_from_gguf(GGUFFile(str(tmp_path / "s.gguf")))
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="s.gguf")
     for text in ["hello world", " hello", "hello  world\n", "héllo 日本 world", "lo", "",
-                 "<s>hello</s>"]:
+                 "<s>hello</s>", "ll", "lllo"]:
         assert ours.encode(text).ids == theirs(text)["input_ids"], text
         ids = ours.encode(text, add_special_tokens=False).ids
         assert ids == theirs(text, add_special_tokens=False)["input_ids"], text

@@ -93,7 +93,7 @@ def build_sentencepiece_tokenizer(tokens, scores, token_types=None):
     vocab = {token: i for i, token in enumerate(tokens)}
     kinds = [int(k) for k in token_types] if token_types is not None else []
     unknown = next((tokens[i] for i, kind in enumerate(kinds) if kind == 2), None)
-    tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=_merges_by_score(vocab, scores),
+    tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores),
                                            unk_token=unknown, fuse_unk=True, byte_fallback=True))
     tokenizer.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="▁",
                                                           prepend_scheme="first", split=False)
@@ -104,11 +104,13 @@ def build_sentencepiece_tokenizer(tokens, scores, token_types=None):
     return tokenizer
 
 
-def _merges_by_score(vocab, scores):
+def _merges_by_score(tokens, scores):
     """BPE merges of a SentencePiece vocabulary: every split of a piece into two pieces, the
-    higher the whole piece's score the earlier (then the longer left part, the longer right)."""
+    higher the whole piece's score the earlier (then the longer left part, the longer right).
+    A piece listed twice counts once, at its last place and score (as transformers reads it)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
     merges = []
-    for piece, score in zip(vocab, scores):
+    for piece, score in dict(zip(tokens, scores)).items():
         splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
                   if piece[:i] in vocab and piece[i:] in vocab]
         splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
