@@ -158,8 +158,8 @@ def array_leaves(name, tree):
     """Every leaf of ``tree`` is an array or a number (a Trainer, a model or a string passed as
     parameters would fail deep inside JAX)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(
-                leaf, (numbers.Number, bool)):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                or isinstance(leaf, numbers.Number)):
             hint = (" Fix: pass trainer.params (the Trainer's parameters), not the Trainer."
                     if hasattr(leaf, "params") else " Fix: pass a tree of arrays.")
             raise ConfigError(f"{name}{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, "

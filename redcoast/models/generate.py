@@ -451,9 +451,9 @@ def check_token_ids(input_ids, model):
     """Prompt tokens and their padding are ids of the model's vocabulary: outside it JAX's
     embedding lookup gives NaN where PyTorch raises, and a NaN under the attention mask still
     reaches every row's output (0 x NaN), so generation is garbage."""
-    if isinstance(input_ids, jax.core.Tracer):
-        return  # inside a trace the values are unknown
-    ids = np.asarray(input_ids)
+    ids = _values_here(input_ids)
+    if ids is None:
+        return
     if not np.issubdtype(ids.dtype, np.integer):
         raise DataError(f"input_ids are {ids.dtype}; generate takes integer token ids. Fix: "
                         "tokenize the text (tokenizer.encode(text).ids).")
@@ -467,11 +467,22 @@ def check_token_ids(input_ids, model):
                         "the tokenizer needs the embeddings resized.")
 
 
+def _values_here(x):
+    """``x``'s values as numpy, or None where this process cannot read them all without
+    communicating: inside a trace, or an array spread over several processes."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    return np.asarray(x)
+
+
 def _check_left_padded(mask):
     """Explain masks that cannot work: right padding, or a prompt without any token."""
-    if isinstance(mask, jax.core.Tracer):
-        return  # inside a trace the values are unknown
-    mask = np.asarray(mask) != 0
+    mask = _values_here(mask)
+    if mask is None:
+        return
+    mask = mask != 0
     if mask.size == 0:
         return
     empty = np.flatnonzero(~mask.any(axis=1))
