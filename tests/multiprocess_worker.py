@@ -88,25 +88,14 @@ def grouped_kv_run(out_dir):
 
 def nan_run(out_dir):
     import jax
-    import jax.numpy as jnp
     import optax
     from redcoast import Deployer, NonFiniteLossError, Trainer
-    from tiny_lm import collate_fn, make_examples, make_model
-
-    def collate(examples):  # the last 3 labels padding, -100 as PyTorch's ignore_index
-        ids = collate_fn(examples)["ids"]
-        labels, mask = ids[:, 1:].copy(), np.ones(ids[:, 1:].shape, np.float32)
-        labels[:, -3:], mask[:, -3:] = -100, 0.0
-        return {"ids": ids, "labels": labels, "mask": mask}
-
-    def loss(rng, state, params, batch, is_training):
-        logits = state.apply_fn({"params": params}, batch["ids"][:, :-1])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-        return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+    from tiny_lm import ignore_index_collate, make_examples, make_model, masked_loss
 
     deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)  # before any JAX call
     model, params = make_model()
-    trainer = Trainer(deployer, collate, model.apply, loss, params, optax.adamw(1e-2))
+    trainer = Trainer(deployer, ignore_index_collate, model.apply, masked_loss, params,
+                      optax.adamw(1e-2))
     try:
         trainer.train(make_examples(16), 1)
         message = "no error"

@@ -11,7 +11,8 @@ import pytest
 
 from redcoast import (ConfigError, DataError, Deployer, LossError, NonFiniteLossError, Predictor,
                       Trainer)
-from tiny_lm import collate_fn, loss_fn, make_examples, make_model
+from tiny_lm import (collate_fn, ignore_index_collate, loss_fn, make_examples, make_model,
+                     masked_loss)
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +68,6 @@ def test_nan_loss_stops_names_the_step_and_saves_nothing(tmp_path):
     assert not [s for s in os.listdir(steps_dir) if s.isdigit()]
     # found at the first logging interval after it (step 5); updates 3 and 4 were not applied
     assert trainer.step == 3 and int(trainer.state.step) == 3
-
-
-def masked_loss(rng, state, params, batch, is_training):
-    """Cross-entropy where ``mask`` is 1, as a PyTorch user writes it over -100 labels."""
-    logits = state.apply_fn({"params": params}, batch["ids"][:, :-1])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-    return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
-
-
-def ignore_index_collate(examples):
-    """The last 3 labels padding, marked -100 as PyTorch's ignore_index."""
-    ids = collate_fn(examples)["ids"]
-    labels, mask = ids[:, 1:].copy(), np.ones(ids[:, 1:].shape, np.float32)
-    labels[:, -3:], mask[:, -3:] = -100, 0.0
-    return {"ids": ids, "labels": labels, "mask": mask}
 
 
 def test_a_nan_loss_before_any_update_names_the_minus_100_labels_not_the_learning_rate(deployer):

@@ -70,6 +70,22 @@ def loss_fn(rng, state, params, batch, is_training):
     return loss, {"acc": jnp.mean(logits.argmax(-1) == labels)}
 
 
+def ignore_index_collate(examples):
+    """``collate_fn``'s ids with next-token labels whose last 3 are padding, marked -100 as
+    PyTorch's ignore_index (a NaN in JAX's cross-entropy, masked or not)."""
+    ids = collate_fn(examples)["ids"]
+    labels, mask = ids[:, 1:].copy(), np.ones(ids[:, 1:].shape, np.float32)
+    labels[:, -3:], mask[:, -3:] = -100, 0.0
+    return {"ids": ids, "labels": labels, "mask": mask}
+
+
+def masked_loss(rng, state, params, batch, is_training):
+    """Cross-entropy where ``mask`` is 1, as a PyTorch user writes it over -100 labels."""
+    logits = state.apply_fn({"params": params}, batch["ids"][:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+
 def reference_train(model, params, optimizer, batches):
     """A hand-written single-device loop (no redcoast): the independent answer."""
     state = types.SimpleNamespace(apply_fn=model.apply)
