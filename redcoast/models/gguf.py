@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .gguf_header import read_header
+from .layers import rope_inv_freq
 
 # llama.cpp's architecture -> the Hugging Face model_type and class it was converted from; only
 # llama's converter reorders the Q/K rows (for its rotary kernel), Qwen2's stores them as they are
@@ -176,7 +177,9 @@ def rope_scaling(file, opt, rope_theta, head_dim):
     divisors = np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type), np.float64).ravel()
     factor = float(divisors.max())
     scaling = {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
-    expected = llama3_divisors(rope_theta, head_dim, scaling)
+    # what the model's own RoPE divides each frequency by under that scaling
+    plain, scaled = (rope_inv_freq(head_dim, rope_theta, s)[0] for s in (None, scaling))
+    expected = plain.astype(np.float64) / scaled
     if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-6, atol=0):
         raise ConfigError(
             f"this GGUF file's rope_freqs ({divisors.size} divisors from {divisors.min():.4g} to "
@@ -184,17 +187,6 @@ def rope_scaling(file, opt, rope_theta, head_dim):
             f"{LLAMA3_ROPE}, the one redcoast recognises; load the model's Hugging Face folder "
             "with from_pretrained instead.")
     return scaling
-
-
-def llama3_divisors(rope_theta, head_dim, scaling):
-    """What each rotary frequency ``rope_theta ** (-2i / head_dim)`` is divided by under Llama
-    3's scaling: 1 for short wavelengths, ``factor`` for long ones, a smooth blend between."""
-    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
-    old, low, high = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor",
-                                           "high_freq_factor"))
-    smooth = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
-    return 1.0 / ((1.0 - smooth) / scaling["factor"] + smooth)
 
 
 class GGUFTensors(Mapping):
