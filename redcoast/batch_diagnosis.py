@@ -14,6 +14,15 @@ import numpy as np
 from .host import to_host
 
 
+def nan_findings(state, batch=None):
+    """What in a train state's parameters and (given) ``batch`` can make its loss NaN: one
+    sentence each, or none."""
+    findings = params_findings({"params": state.params, "frozen_params": state.frozen_params})
+    if batch is not None:
+        findings += batch_findings(batch, vocab_size_of(state.apply_fn))
+    return findings
+
+
 def vocab_size_of(apply_fn):
     """The vocabulary size of the model whose bound ``apply`` (or ``__call__``) this is,
     where its config says (redcoast's models, transformers' Flax models); else None."""

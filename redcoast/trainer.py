@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from . import validate
 from .abstract import placed
 from .actions import fit_actions
-from .batch_diagnosis import batch_findings, params_findings, vocab_size_of
+from .batch_diagnosis import nan_findings
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
 from .errors import DATA_CAUSES, ConfigError, NonFiniteLossError
 from .evaluation import EvalRun, check_eval_loss, first_eval_batch
@@ -340,11 +340,8 @@ class Trainer:
         (those from ``bad_step`` on were not), and the error says so, with what is wrong in
         the parameters (as they were at that step) and, at step 0, in ``first_batch``."""
         self.set_progress(self._progress.replace(step=bad_step))
-        findings = params_findings({"params": self._state.params,
-                                    "frozen_params": self._state.frozen_params})
         checked = bad_step == 0 and first_batch is not None
-        if checked:
-            findings += batch_findings(first_batch, vocab_size_of(self._state.apply_fn))
+        findings = nan_findings(self._state, first_batch if checked else None)
         raise NonFiniteLossError.at(bad_step, value, findings, checked)
 
     def _log_train(self, window, bar, batch, first_batch=None):
@@ -441,11 +438,8 @@ class Trainer:
                       self.deployer.log_info)
         results, self._eval_by = run.means(self._eval_by)
         if not np.isfinite(results["loss"]):  # said, with what in the data explains it
-            findings = params_findings({"params": self._state.params,
-                                        "frozen_params": self._state.frozen_params})
-            findings += batch_findings(
-                first_eval_batch(examples, self.collate_fn, per_device_batch_size, self.mesh),
-                vocab_size_of(self._state.apply_fn))
+            findings = nan_findings(self._state, first_eval_batch(
+                examples, self.collate_fn, per_device_batch_size, self.mesh))
             self.deployer.log_warning(
                 f"The evaluation loss is {results['loss']}. "
                 + (f"Found: {'; '.join(findings)}. " if findings else
