@@ -21,7 +21,7 @@ PUBLIC = [
     "redcoast.data", "redcoast.packing", "redcoast.chat_data", "redcoast.logprobs",
     "redcoast.sampling", "redcoast.plan", "redcoast.run_config",
     "redcoast.simulate", "redcoast.errors", "redcoast.progress", "redcoast.lora",
-    "redcoast.export", "redcoast.sharding", "redcoast.user_cache",
+    "redcoast.export", "redcoast.sharding", "redcoast.user_cache", "redcoast.placement",
 ]
 
 

@@ -34,31 +34,53 @@ def vocab_size_of(apply_fn):
 def batch_findings(batch, vocab_size=None):
     """Each array of ``batch`` (a pytree of host or device arrays) that holds NaN or inf, a
     negative integer, or an integer at or above ``vocab_size``: one sentence each."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    # the device arrays read where they are, by one compiled program (not one per array:
+    # placement.py says why), its small results copied to every process
+    device_stats = iter(to_host(_device_stats([x for _, x in leaves if isinstance(x, jax.Array)])))
     findings = []
-    for path, values in jax.tree_util.tree_flatten_with_path(to_host(batch))[0]:
-        values = np.asarray(values)
+    for path, values in leaves:
+        bad, low, high = next(device_stats) if isinstance(values, jax.Array) else _stats(np, values)
         name = f"batch{jax.tree_util.keystr(path)}"
-        if np.issubdtype(values.dtype, np.floating) and values.size:
-            bad = int(np.sum(~np.isfinite(values)))
-            if bad:
-                findings.append(f"{name} holds {bad} NaN or inf value(s)")
-        elif np.issubdtype(values.dtype, np.integer) and values.size:
-            low, high = int(values.min()), int(values.max())
-            if low < 0:
-                findings.append(f"{name} holds negative values (the smallest {low}"
-                                f"{': -100 is PyTorch ignore_index' if low == -100 else ''})")
-            if vocab_size is not None and high >= vocab_size:
-                findings.append(f"{name} holds {high}, at or above the model's vocab_size "
-                                f"{vocab_size} (if it holds token ids or labels)")
+        if bad:
+            findings.append(f"{name} holds {int(bad)} NaN or inf value(s)")
+        if low is not None and low < 0:
+            findings.append(f"{name} holds negative values (the smallest {int(low)}"
+                            f"{': -100 is PyTorch ignore_index' if low == -100 else ''})")
+        if vocab_size is not None and high is not None and high >= vocab_size:
+            findings.append(f"{name} holds {int(high)}, at or above the model's vocab_size "
+                            f"{vocab_size} (if it holds token ids or labels)")
     return findings
 
 
-def params_findings(params):
-    """The parameters that hold NaN or inf: one sentence, or none (one reduction per array,
-    where the arrays are)."""
-    finite = to_host(jax.tree_util.tree_map(
+@jax.jit
+def _device_stats(arrays):
+    return [_stats(jnp, x) for x in arrays]
+
+
+@jax.jit
+def _finite(params):
+    return jax.tree_util.tree_map(
         lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else True,
-        params))
+        params)
+
+
+def _stats(xnp, x):
+    """``(non-finite count, min, max)`` of one array with numpy or jax.numpy (``xnp``)."""
+    x = xnp.asarray(x)
+    if x.size == 0:
+        return (0, None, None)
+    if xnp.issubdtype(x.dtype, xnp.floating):
+        return (xnp.sum(~xnp.isfinite(x)), None, None)
+    if xnp.issubdtype(x.dtype, xnp.integer):
+        return (0, xnp.min(x), xnp.max(x))
+    return (0, None, None)
+
+
+def params_findings(params):
+    """The parameters that hold NaN or inf: one sentence, or none (read where the arrays
+    are, by one compiled program: not one per array, placement.py says why)."""
+    finite = to_host(_finite(params))
     bad = [jax.tree_util.keystr(path)
            for path, ok in jax.tree_util.tree_flatten_with_path(finite)[0] if not ok]
     if not bad:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import placement
 from .abstract import is_abstract, placed, shapes_of
 from .errors import ConfigError
 from .layout import Candidate, Recipe, frozen_shardings, placed_on, shape_plan
@@ -42,7 +43,7 @@ def initial_state(recipe: Recipe, deployer, params, optimizer, apply_fn, frozen_
         params = placed(params, param_shardings)
     else:  # device_put may reuse the caller's buffers: a compiled copy owns fresh ones
         params = jax.jit(copy_tree, out_shardings=param_shardings)(
-            jax.device_put(params, param_shardings))
+            placement.device_put(params, param_shardings))
     opt_shardings = plan.opt_state_shardings(jax.eval_shape(optimizer.init, params))
     opt_state = (shapes_of(optimizer.init, params, opt_shardings) if abstract else
                  jax.jit(optimizer.init, out_shardings=opt_shardings)(params))
@@ -57,7 +58,7 @@ def initial_state(recipe: Recipe, deployer, params, optimizer, apply_fn, frozen_
                 "deployer) does it, or jax.device_put(tree, deployer.get_sharding_plan(tree, "
                 "traced_fn=apply_fn, example_args=...).param_shardings()).")
         frozen_params = jax.jit(copy_tree, out_shardings=shardings)(
-            jax.device_put(frozen_params, shardings))
+            placement.device_put(frozen_params, shardings))
     replicated = NamedSharding(mesh, P())
     host_keys = deployer.gen_rng(), deployer.gen_rng()  # drawn alike either way: same streams
 
@@ -89,7 +90,7 @@ def with_params(layout, state: TrainState, params, reset_opt_state: bool, abstra
         _check_can_be_concrete(layout, state, platform)
     shardings = layout.state_shardings
     params = layout.stored.params_to_storage(jax.jit(copy_tree, out_shardings=shardings.params)(
-        jax.device_put(params, shardings.params)))
+        placement.device_put(params, shardings.params)))
     state = state.replace(params=params)
     if reset_opt_state or abstract:  # an abstract optimizer state has nothing to keep
         state = state.replace(opt_state=jax.jit(
@@ -104,7 +105,7 @@ def with_opt_state(layout, state: TrainState, opt_state) -> TrainState:
     """``state`` with ``opt_state`` (of its optimizer; copied, never donated) placed as the
     layout places it."""
     try:
-        placed_state = jax.device_put(opt_state, layout.state_shardings.opt_state)
+        placed_state = placement.device_put(opt_state, layout.state_shardings.opt_state)
     except ValueError as e:
         raise ConfigError(f"opt_state does not match the optimizer's state for these parameters "
                           f"({e}). Fix: pass the state of this optimizer, or opt_state=None to "

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .abstract import placed, shapes_of
 from .layout import Recipe, choose_layout
-from . import user_cache
+from . import placement, user_cache
 from .layout_memory import LayoutMemory
 from .sharding.dataflow import FALLBACK
 from .sharding.plan import splits_over_model_shards
@@ -73,8 +73,8 @@ def moved_to(layout, old, state, abstract: bool, keys: tuple) -> tuple:
         return state, placed(keys, (layout.replicated, layout.replicated))
     user = old.stored.state_to_user(state)
     state = layout.stored.state_to_storage(
-        jax.device_put(user, layout.state_shardings, donate=True))
-    return state, jax.device_put(keys, layout.replicated)
+        placement.device_put(user, layout.state_shardings, donate=True))
+    return state, placement.device_put(keys, layout.replicated)
 
 
 def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> LayoutMemory | None:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import validate
+from . import placement, validate
 from .data import BatchMaker, is_sequence, padded_batches, prefetch
 from .errors import DataError
 from .host import to_host
@@ -79,7 +79,7 @@ class Predictor:
         validate.array_leaves("params", params)
         validate.live_arrays("params", params)
         mesh, shardings, step = self._step_for(params)
-        params = jax.device_put(params, shardings)
+        params = placement.device_put(params, shardings)
         rng = self.deployer.gen_rng() if rng is None else rng
         global_batch = per_device_batch_size * mesh.shape["dp"]
         maker = BatchMaker(mesh, self.collate_fn, global_batch)

@@ -5,6 +5,7 @@
     python multiprocess_worker.py OUT_DIR ckpt
     python multiprocess_worker.py OUT_DIR gqa
     python multiprocess_worker.py OUT_DIR nan
+    python multiprocess_worker.py OUT_DIR moves
 
 With the last four arguments the Deployer gets them explicitly; without them it finds its place
 in the run by itself (under ``redcoast launch``: from the REDCOAST_* variables). One run of
@@ -17,6 +18,9 @@ OUT_DIR/gqa_{id}.npz.
 
 ``nan``: train on labels of -100 (a NaN loss at step 0) and write the NonFiniteLossError's
 message to OUT_DIR/nan_{id}.txt.
+
+``moves``: move 40 arrays spread over both processes between two device orders 30 times with
+``redcoast.placement.device_put``, and write their sums to OUT_DIR/moves_{id}.npz.
 
 ``ckpt``: restore the checkpoint found in OUT_DIR/workdir (written by another number of
 processes), save what was restored, train one more epoch from it, save a checkpoint there and
@@ -105,6 +109,28 @@ def nan_run(out_dir):
         f.write(message)
 
 
+def moves_run(out_dir, rounds=30):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from redcoast import Deployer, placement
+    from redcoast.host import to_host
+
+    Deployer(jax_seed=0, verbose=False)  # joins the run (before any JAX call)
+    devices = np.array(jax.devices())
+    ordered = Mesh(devices.reshape(4, 2), ("dp", "mp"))
+    crossed = Mesh(devices.reshape(2, 4).T.reshape(4, 2), ("dp", "mp"))  # mp pairs span processes
+    values = [np.arange(8 * (i % 3 + 1) * 16, dtype=np.float32).reshape(-1, 16) + i
+              for i in range(40)]
+    tree = {f"w{i}": jax.make_array_from_callback(x.shape, NamedSharding(ordered, P("dp", "mp")),
+                                                  lambda index, x=x: x[index])
+            for i, x in enumerate(values)}
+    for r in range(rounds):
+        mesh = crossed if r % 2 == 0 else ordered
+        spec = P("mp", "dp") if r % 3 else P("dp", "mp")
+        tree = placement.device_put(tree, NamedSharding(mesh, spec), donate=r % 2 == 1)
+    np.savez(os.path.join(out_dir, f"moves_{jax.process_index()}.npz"), **to_host(tree))
+
+
 def main():
     out_dir = sys.argv[1]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -114,6 +140,8 @@ def main():
         return grouped_kv_run(out_dir)
     if sys.argv[2] == "nan":
         return nan_run(out_dir)
+    if sys.argv[2] == "moves":
+        return moves_run(out_dir)
     shard_counts = [int(n) for n in sys.argv[2].split(",")]
     explicit = {}
     if len(sys.argv) > 3:

@@ -212,3 +212,20 @@ def test_a_nan_loss_at_step_0_is_explained_on_every_process(tmp_path):
         message = (tmp_path / f"nan_{i}.txt").read_text()
         assert "at step 0" in message and "learning rate is not the cause" in message, message
         assert "batch['labels'] holds negative values (the smallest -100" in message, message
+
+
+@pytest.mark.slow
+def test_moving_arrays_that_span_processes_never_deadlocks(tmp_path):
+    # jax.device_put of such a tree hung in 2 of 2 runs (its per-array programs ran in other
+    # orders on the two processes); placement.device_put moves them in the same order on both
+    cmd = [sys.executable, "-m", "redcoast.launch", "-n", "2", "--local-devices", "4", WORKER,
+           str(tmp_path), "moves"]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for i in range(2):
+        moved = dict(np.load(tmp_path / f"moves_{i}.npz"))
+        assert len(moved) == 40
+        for name, values in moved.items():
+            i_array = int(name[1:])
+            expected = np.arange(values.size, dtype=np.float32).reshape(-1, 16) + i_array
+            np.testing.assert_array_equal(values, expected, err_msg=f"process {i}: {name}")

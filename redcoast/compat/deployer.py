@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from .. import deployer as core
+from .. import deployer as core, placement
 from ..errors import ConfigError
 from .checkpoints import read_info, restore_tree, save_redco_ckpt, saved_shapes
 from .notices import warn_redco
@@ -95,7 +95,7 @@ class Deployer(core.Deployer):
     def shard_params(self, params, params_spec, desc="params"):
         """``params`` placed on the mesh by ``params_spec``."""
         del desc
-        return jax.device_put(params, jax.tree_util.tree_map(
+        return placement.device_put(params, jax.tree_util.tree_map(
             lambda spec: NamedSharding(self.mesh, spec), params_spec,
             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
 
