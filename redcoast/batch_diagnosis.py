@@ -3,8 +3,8 @@
 JAX gives NaN, silently, for what PyTorch ignores or refuses: a label of -100 (PyTorch's
 ``ignore_index``; ``optax.softmax_cross_entropy_with_integer_labels`` returns NaN for it, and
 a mask multiplying it keeps the NaN) and a token id outside the embedding's rows (an
-out-of-range gather is filled with NaN). These read the arrays after the fact, on the host,
-to say which.
+out-of-range gather is filled with NaN). These read the arrays after the fact, where they are
+(a few numbers per array reach the host), to say which.
 """
 
 import jax

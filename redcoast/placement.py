@@ -32,7 +32,9 @@ def _is_target(x) -> bool:
 def _put_in_order(subtree, sharding, donate: bool):
     def put(x):
         moved = jax.device_put(x, sharding, donate=donate)
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            moved.block_until_ready()  # its collectives done before the next move starts
+        # its collectives done before the next move starts; an array already placed so is
+        # returned as it is (no program ran: nothing to wait for, e.g. a Predictor's params)
+        if moved is not x and isinstance(x, jax.Array) and not x.is_fully_addressable:
+            moved.block_until_ready()
         return moved
     return jax.tree_util.tree_map(put, subtree)
