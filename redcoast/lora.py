@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from .errors import ConfigError
 from .export import SEPARATOR, save_params
@@ -122,17 +123,13 @@ class LoRA:
 
     def delta(self, a, b):
         """``alpha / rank * A @ B`` in the kernel's shape (float32 accumulation)."""
-        s = self.stack_dims
-        stack, fan_in, rank = a.shape[:s], a.shape[s:-1], a.shape[-1]
-        out = b.shape[s + 1:]
-        a2 = a.reshape(*stack, math.prod(fan_in), rank)
-        b2 = b.reshape(*stack, rank, math.prod(out))
-        d = jnp.matmul(a2, b2, preferred_element_type=jnp.float32)
-        return (self.scale * d).reshape(*stack, *fan_in, *out)
+        return _delta(self.scale, self.stack_dims, a, b)
 
     def merge(self, base, adapters):
         """``base`` with each adapted kernel replaced by ``W + alpha / rank * A @ B`` (in W's
-        dtype); traceable, so a loss calls it inside the jitted step.
+        dtype); traceable, so a loss calls it inside the jitted step. Called outside one (e.g.
+        to export), it runs as one compiled program and each merged kernel keeps its kernel's
+        sharding.
 
         ``adapters`` must hold LoRA pairs only (as :meth:`init` makes them): any other leaf
         would be ignored (never trained), so it is refused; see the error for a trainable head."""
@@ -143,8 +140,9 @@ class LoRA:
                 "frozen_params=base), and lora.merge(state.frozen_params, params) in the loss.")
         _check_base(base, "lora.merge")
         _check_pairs(adapters)
-        merged = base
-        for path in adapter_paths(adapters):
+        paths = adapter_paths(adapters)
+        kernels, pairs = [], []
+        for path in paths:
             pair = _get(adapters, path)
             try:
                 kernel = _get(base, path)
@@ -152,17 +150,63 @@ class LoRA:
                 raise ConfigError(f"LoRA adapter {path_str(path)} has no kernel in the base "
                                   "params. Fix: merge adapters into the model they were made "
                                   "for.") from None
-            d = self.delta(pair[A_NAME], pair[B_NAME])
-            if d.shape != np.shape(kernel):
-                raise ConfigError(f"LoRA adapter {path_str(path)} makes shape {d.shape}; the "
+            shape = _delta_shape(self.stack_dims, np.shape(pair[A_NAME]), np.shape(pair[B_NAME]))
+            if shape != np.shape(kernel):
+                raise ConfigError(f"LoRA adapter {path_str(path)} makes shape {shape}; the "
                                   f"kernel is {np.shape(kernel)}. Fix: load adapters made for "
                                   "this model (same in_dims/stack_dims).")
-            merged = _replace(merged, path, (kernel.astype(jnp.float32) + d).astype(kernel.dtype))
+            kernels.append(kernel)
+            pairs.append((pair[A_NAME], pair[B_NAME]))
+        if _traced(kernels, pairs):
+            merged_kernels = _merged_kernels(self.scale, self.stack_dims, None, kernels, pairs)
+        else:
+            # One program for all kernels, not one per operation per kernel: on several
+            # processes those programs' collectives (e.g. FSDP-sharded adapters) ran in other
+            # orders on each process and deadlocked (2 processes on CPUs, jax 0.10: 5 of 5 runs)
+            shardings = tuple(k.sharding if isinstance(getattr(k, "sharding", None), NamedSharding)
+                              else None for k in kernels)
+            merged_kernels = _merged_kernels_jit(self.scale, self.stack_dims, shardings, kernels,
+                                                 pairs)
+        merged = base
+        for path, kernel in zip(paths, merged_kernels):
+            merged = _replace(merged, path, kernel)
         return merged
 
     def _split(self, shape):
         s, i = self.stack_dims, self.in_dims
         return shape[:s], shape[s:s + i], shape[s + i:]
+
+
+def _delta(scale, stack_dims, a, b):
+    s = stack_dims
+    stack, fan_in, rank = a.shape[:s], a.shape[s:-1], a.shape[-1]
+    out = b.shape[s + 1:]
+    a2 = a.reshape(*stack, math.prod(fan_in), rank)
+    b2 = b.reshape(*stack, rank, math.prod(out))
+    d = jnp.matmul(a2, b2, preferred_element_type=jnp.float32)
+    return (scale * d).reshape(*stack, *fan_in, *out)
+
+
+def _delta_shape(stack_dims, a_shape, b_shape):
+    return tuple(a_shape[:-1]) + tuple(b_shape[stack_dims + 1:])
+
+
+def _merged_kernels(scale, stack_dims, shardings, kernels, pairs):
+    """Each ``W + scale * A @ B`` in W's dtype, placed on ``shardings[i]`` where one is given."""
+    merged = []
+    for i, (kernel, (a, b)) in enumerate(zip(kernels, pairs)):
+        w = (jnp.asarray(kernel, jnp.float32) + _delta(scale, stack_dims, a, b)).astype(kernel.dtype)
+        if shardings is not None and shardings[i] is not None:
+            w = jax.lax.with_sharding_constraint(w, shardings[i])
+        merged.append(w)
+    return merged
+
+
+_merged_kernels_jit = jax.jit(_merged_kernels, static_argnums=(0, 1, 2))
+
+
+def _traced(*trees) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 
 
 def adapter_paths(adapters):

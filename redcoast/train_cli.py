@@ -80,8 +80,6 @@ def train(cfg: RunConfig):
 
 
 def _train(cfg, deployer, record):
-    import jax
-
     from .text_task import lengths, make_collate_fn, make_loss_fn, read_records, tokenise
     from .trainer import Trainer
 
@@ -121,7 +119,7 @@ def _train(cfg, deployer, record):
     if cfg.export:
         from .models import save_pretrained
         params = (trainer.params if lora is None else
-                  jax.jit(lora.merge)(trainer.frozen_params, trainer.params))
+                  lora.merge(trainer.frozen_params, trainer.params))
         save_pretrained(model, params, cfg.export, tokenizer=tokenizer)
         deployer.log_info(f"the trained model is in {cfg.export} (a Hugging Face folder"
                           + (", LoRA merged in)" if lora else ")"))

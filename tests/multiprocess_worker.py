@@ -6,6 +6,7 @@
     python multiprocess_worker.py OUT_DIR gqa
     python multiprocess_worker.py OUT_DIR nan
     python multiprocess_worker.py OUT_DIR moves
+    python multiprocess_worker.py OUT_DIR merge
 
 With the last four arguments the Deployer gets them explicitly; without them it finds its place
 in the run by itself (under ``redcoast launch``: from the REDCOAST_* variables). One run of
@@ -21,6 +22,10 @@ message to OUT_DIR/nan_{id}.txt.
 
 ``moves``: move 40 arrays spread over both processes between two device orders 30 times with
 ``redcoast.placement.device_put``, and write their sums to OUT_DIR/moves_{id}.npz.
+
+``merge``: train LoRA adapters with FSDP on 2 model shards (the adapters sharded over both
+processes), then merge them into the base outside the step 20 times; write the base, the
+adapters, the merged parameters and the merged kernels' specs to OUT_DIR/merge_{id}.npz.
 
 ``ckpt``: restore the checkpoint found in OUT_DIR/workdir (written by another number of
 processes), save what was restored, train one more epoch from it, save a checkpoint there and
@@ -131,6 +136,33 @@ def moves_run(out_dir, rounds=30):
     np.savez(os.path.join(out_dir, f"moves_{jax.process_index()}.npz"), **to_host(tree))
 
 
+def merge_run(out_dir, rounds=20):
+    import jax
+    import optax
+    from redcoast import Deployer, LoRA, Trainer
+    from redcoast.host import to_host
+    from tiny_lm import collate_fn, loss_fn, make_examples, make_model
+
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)  # before any JAX call
+    model, base = make_model()
+    lora = LoRA(rank=4, alpha=8, targets=r"kernel$")
+
+    def lora_loss(rng, state, params, batch, is_training):
+        return loss_fn(rng, state, lora.merge(state.frozen_params, params), batch, is_training)
+    trainer = Trainer(deployer, collate_fn, model.apply, lora_loss, lora.init(base),
+                      optax.adam(3e-2), frozen_params=base, fsdp=True)
+    trainer.train(make_examples(16), 1)
+    for _ in range(rounds):  # as a user exports: outside any jitted function
+        merged = lora.merge(trainer.frozen_params, trainer.params)
+    flat = jax.tree_util.tree_leaves_with_path(
+        to_host({"base": trainer.frozen_params, "adapters": trainer.params, "merged": merged}))
+    specs = {f"spec{jax.tree_util.keystr(p)}": np.array(str(x.sharding.spec))
+             for p, x in jax.tree_util.tree_leaves_with_path(
+                 {"merged": merged, "base": trainer.frozen_params})}
+    np.savez(os.path.join(out_dir, f"merge_{jax.process_index()}.npz"),
+             **{jax.tree_util.keystr(p): x for p, x in flat}, **specs)
+
+
 def main():
     out_dir = sys.argv[1]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +174,8 @@ def main():
         return nan_run(out_dir)
     if sys.argv[2] == "moves":
         return moves_run(out_dir)
+    if sys.argv[2] == "merge":
+        return merge_run(out_dir)
     shard_counts = [int(n) for n in sys.argv[2].split(",")]
     explicit = {}
     if len(sys.argv) > 3:

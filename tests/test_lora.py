@@ -95,6 +95,37 @@ def test_merge_adds_scaled_low_rank_product_on_kernels_with_extra_axes():
                                rtol=1e-6, atol=1e-6)
 
 
+
+def test_a_merge_outside_a_jitted_function_keeps_each_kernels_sharding():
+    """As after FSDP training: adapters split over all 8 devices, kernels over the model axis;
+    the merge (one program outside the step) equals the merge inside one, placed as the base."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    _, base = _model()
+    lora = LoRA(rank=4, alpha=8)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "mp"))
+    placed = jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "mp") if x.ndim == 2 else P())),
+        base)
+    adapters = jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P(("dp", "mp")) if x.shape[-1] == 4
+                                                  else P(None, ("dp", "mp")))),
+        _random_adapters(lora, base))
+    merged = lora.merge(placed, adapters)
+    inside = jax.jit(lora.merge)(placed, adapters)
+    for path in [("layers", "0", "self_attn", "q_proj", "kernel"),
+                 ("layers", "1", "self_attn", "v_proj", "kernel")]:
+        got, want, kernel = (_at(t, path) for t in (merged, inside, placed))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert got.sharding == kernel.sharding, path
+    assert _at(merged, ("layers", "0", "mlp", "up_proj", "kernel")) is _at(
+        placed, ("layers", "0", "mlp", "up_proj", "kernel"))
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
 def test_targets_that_match_nothing_are_an_error():
     _, base = _model()
     with pytest.raises(ConfigError, match="match no parameter"):

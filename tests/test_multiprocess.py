@@ -226,3 +226,24 @@ def test_moving_arrays_that_span_processes_never_deadlocks(tmp_path):
             i_array = int(name[1:])
             expected = np.arange(values.size, dtype=np.float32).reshape(-1, 16) + i_array
             np.testing.assert_array_equal(values, expected, err_msg=f"process {i}: {name}")
+
+
+@pytest.mark.slow
+def test_merging_lora_adapters_that_span_processes_outside_the_step(tmp_path):
+    # op by op, lora.merge's per-kernel programs (their collectives gather the FSDP-sharded
+    # adapters across processes) hung 5 of 5 runs on jax 0.10.2; it now runs as one program
+    launch_worker(str(tmp_path), "merge", timeout=120)
+    for i in range(2):
+        got = dict(np.load(tmp_path / f"merge_{i}.npz"))
+        kernels = [k[len("['merged']"):] for k in got
+                   if k.startswith("['merged']") and k.endswith("['kernel']")]
+        assert len(kernels) == 13  # 2 blocks x 6 matmuls + the head: every one adapted
+        for path in kernels:
+            a, b = (got[f"['adapters']{path}['lora_{x}']"] for x in ("a", "b"))
+            expected = got[f"['base']{path}"] + 2.0 * a @ b  # alpha / rank = 8 / 4
+            np.testing.assert_allclose(got[f"['merged']{path}"], expected, rtol=1e-6, atol=1e-6,
+                                       err_msg=f"process {i}: {path}")
+            assert got[f"spec['merged']{path}"] == got[f"spec['base']{path}"], path
+        for name in got:  # what was not adapted is the base itself
+            if name.startswith("['merged']") and not name.endswith("['kernel']"):
+                np.testing.assert_array_equal(got[name], got["['base']" + name[len("['merged']"):]])
