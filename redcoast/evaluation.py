@@ -19,6 +19,7 @@ import numpy as np
 from .data import BatchMaker, check_collated, padded_batches, prefetch, take
 from .errors import LossError
 from .host import to_host
+from .in_flight import InFlight
 from .launch import heartbeat
 
 
@@ -43,10 +44,11 @@ class EvalRun:
         maker = BatchMaker(self.layout.mesh, self.collate_fn, self.global_batch)
         batches = prefetch((maker.make(self.examples, idx), maker.padding_mask(n_real), idx, n_real)
                            for idx, n_real in padded_batches(len(self.examples), self.global_batch))
-        totals, count = None, 0.0
+        totals, count, in_flight = None, 0.0, InFlight()
         for batch, mask, idx, n_real in batches:
             sums, n, spread = self.layout.eval_step(self.state, batch, mask, self.key)
             heartbeat()  # redcoast launch's watchdog: evaluation is progress too
+            in_flight.add(n)
             if eval_by is None:  # the first evaluation: is the loss defined per example?
                 eval_by = self._decide(idx, n_real, batch, sums, spread)
                 if eval_by == "batch":
@@ -78,11 +80,12 @@ class EvalRun:
         """Means of ``loss_fn`` over whole batches, weighted by their rows; the last, smaller
         batch is collated whole on every process and placed replicated, never padded."""
         maker = BatchMaker(self.layout.mesh, self.collate_fn, self.global_batch)
-        totals, count = None, 0.0
+        totals, count, in_flight = None, 0.0, InFlight()
         for idx, n_real in padded_batches(len(self.examples), self.global_batch):
             batch = maker.make(self.examples, idx) if n_real == self.global_batch else None
             sums, n = self._batch_sums(idx, n_real, batch)
             heartbeat()
+            in_flight.add(n)
             totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
             count = count + n
         totals, count = to_host((totals, count))

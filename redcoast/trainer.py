@@ -22,6 +22,7 @@ from .fingerprint import check_fingerprint, fingerprint
 from .fit_run import Evaluation, FitRun, Schedule, epochs_of
 from .initial_state import initial_state, with_opt_state, with_params
 from .host import to_host
+from .in_flight import InFlight
 from .launch import heartbeat
 from .fsdp_cost import state_fills_a_device
 from .layout import BY_COST, Candidate, Recipe, build_layout, lower_train_step
@@ -298,6 +299,7 @@ class Trainer:
         bar = tqdm(total=n_steps, initial=start_position, desc=desc or "train", dynamic_ncols=True,
                    disable=not (self.deployer.verbose and jax.process_index() == 0))
         window = LogWindow(log_every_n_steps, n_steps, start_position)
+        in_flight = InFlight()  # several processes: a bounded lead over the devices
         # the first update's batch, held until its loss is checked: a NaN loss before any
         # update lies in the data or the starting parameters, and the error says which
         first = None
@@ -309,6 +311,7 @@ class Trainer:
                 self._state, metrics = self.layout.train_step(self._state, batch,
                                                               self._progress.train_key)
                 heartbeat()  # redcoast launch's watchdog: this process makes progress
+                in_flight.add(metrics)
                 self._progress = self._progress.after_update(per_update)
                 if window.add(metrics, self._progress.position):
                     self._log_train(window, bar, batch, first)

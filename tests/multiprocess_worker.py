@@ -7,6 +7,7 @@
     python multiprocess_worker.py OUT_DIR nan
     python multiprocess_worker.py OUT_DIR moves
     python multiprocess_worker.py OUT_DIR merge
+    python multiprocess_worker.py OUT_DIR lead
 
 With the last four arguments the Deployer gets them explicitly; without them it finds its place
 in the run by itself (under ``redcoast launch``: from the REDCOAST_* variables). One run of
@@ -26,6 +27,10 @@ message to OUT_DIR/nan_{id}.txt.
 ``merge``: train LoRA adapters with FSDP on 2 model shards (the adapters sharded over both
 processes), then merge them into the base outside the step 20 times; write the base, the
 adapters, the merged parameters and the merged kernels' specs to OUT_DIR/merge_{id}.npz.
+
+``lead``: train 200 updates reading the metrics once, then evaluate 40 batches 6 times, each
+read once at its end (the host far ahead of the devices); write the parameters and the
+evaluations' losses to OUT_DIR/lead_{id}.npz.
 
 ``ckpt``: restore the checkpoint found in OUT_DIR/workdir (written by another number of
 processes), save what was restored, train one more epoch from it, save a checkpoint there and
@@ -163,6 +168,23 @@ def merge_run(out_dir, rounds=20):
              **{jax.tree_util.keystr(p): x for p, x in flat}, **specs)
 
 
+def lead_run(out_dir):
+    import jax
+    import optax
+    from redcoast import Deployer, Trainer
+    from redcoast.host import to_host
+    from tiny_lm import collate_fn, loss_fn, make_examples, make_model
+
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)  # before any JAX call
+    model, params = make_model()
+    trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.sgd(0.05))
+    trainer.train(make_examples(4 * 200), 1, log_every_n_steps=200)  # 4 data shards
+    losses = [trainer.eval_loss(make_examples(160, seed=1), 1) for _ in range(6)]
+    flat = jax.tree_util.tree_leaves_with_path(to_host(trainer.params))
+    np.savez(os.path.join(out_dir, f"lead_{jax.process_index()}.npz"), eval_losses=losses,
+             step=trainer.step, **{jax.tree_util.keystr(p): x for p, x in flat})
+
+
 def main():
     out_dir = sys.argv[1]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -176,6 +198,8 @@ def main():
         return moves_run(out_dir)
     if sys.argv[2] == "merge":
         return merge_run(out_dir)
+    if sys.argv[2] == "lead":
+        return lead_run(out_dir)
     shard_counts = [int(n) for n in sys.argv[2].split(",")]
     explicit = {}
     if len(sys.argv) > 3:
