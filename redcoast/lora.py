@@ -158,11 +158,12 @@ class LoRA:
             kernels.append(kernel)
             pairs.append((pair[A_NAME], pair[B_NAME]))
         if _traced(kernels, pairs):
-            merged_kernels = _merged_kernels(self.scale, self.stack_dims, None, kernels, pairs)
+            merged_kernels = _merged_kernels(self.scale, self.stack_dims, (None,) * len(kernels),
+                                             kernels, pairs)
         else:
-            # One program for all kernels, not one per operation per kernel: on several
-            # processes those programs' collectives (e.g. FSDP-sharded adapters) ran in other
-            # orders on each process and deadlocked (2 processes on CPUs, jax 0.10: 5 of 5 runs)
+            # One program for all kernels, not one per operation per kernel: with FSDP-sharded
+            # adapters those small programs' collectives crossed the processes and two
+            # processes hung (CPUs, jax 0.10: 5 of 5 runs; placement.py has the same hazard)
             shardings = tuple(k.sharding if isinstance(getattr(k, "sharding", None), NamedSharding)
                               else None for k in kernels)
             merged_kernels = _merged_kernels_jit(self.scale, self.stack_dims, shardings, kernels,
@@ -192,13 +193,12 @@ def _delta_shape(stack_dims, a_shape, b_shape):
 
 
 def _merged_kernels(scale, stack_dims, shardings, kernels, pairs):
-    """Each ``W + scale * A @ B`` in W's dtype, placed on ``shardings[i]`` where one is given."""
+    """Each ``W + scale * A @ B`` in W's dtype, placed on its sharding where one is given."""
     merged = []
-    for i, (kernel, (a, b)) in enumerate(zip(kernels, pairs)):
-        w = (jnp.asarray(kernel, jnp.float32) + _delta(scale, stack_dims, a, b)).astype(kernel.dtype)
-        if shardings is not None and shardings[i] is not None:
-            w = jax.lax.with_sharding_constraint(w, shardings[i])
-        merged.append(w)
+    for kernel, (a, b), sharding in zip(kernels, pairs, shardings):
+        w = jnp.asarray(kernel, jnp.float32) + _delta(scale, stack_dims, a, b)
+        w = w.astype(kernel.dtype)
+        merged.append(w if sharding is None else jax.lax.with_sharding_constraint(w, sharding))
     return merged
 
 

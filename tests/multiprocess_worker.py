@@ -57,14 +57,19 @@ def ckpt_trainer(workdir):
     return Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.adamw(1e-2))
 
 
-def host_state(trainer):
-    """The trainer's step, parameters and optimizer state as complete numpy arrays, by path."""
+def flat_host(tree):
+    """``tree``'s arrays, complete on every process, as numpy arrays by path ("['a']['b']")."""
     import jax
     from redcoast.host import to_host
 
-    tree = {"params": trainer.params, "opt_state": trainer.state.opt_state}
     flat = jax.tree_util.tree_leaves_with_path(to_host(tree))
-    return {"step": trainer.step, **{jax.tree_util.keystr(p): x for p, x in flat}}
+    return {jax.tree_util.keystr(p): x for p, x in flat}
+
+
+def host_state(trainer):
+    """The trainer's step, parameters and optimizer state as complete numpy arrays, by path."""
+    return {"step": trainer.step,
+            **flat_host({"params": trainer.params, "opt_state": trainer.state.opt_state})}
 
 
 def checkpoint_round_trip(out_dir):
@@ -145,7 +150,6 @@ def merge_run(out_dir, rounds=20):
     import jax
     import optax
     from redcoast import Deployer, LoRA, Trainer
-    from redcoast.host import to_host
     from tiny_lm import collate_fn, loss_fn, make_examples, make_model
 
     deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)  # before any JAX call
@@ -159,20 +163,17 @@ def merge_run(out_dir, rounds=20):
     trainer.train(make_examples(16), 1)
     for _ in range(rounds):  # as a user exports: outside any jitted function
         merged = lora.merge(trainer.frozen_params, trainer.params)
-    flat = jax.tree_util.tree_leaves_with_path(
-        to_host({"base": trainer.frozen_params, "adapters": trainer.params, "merged": merged}))
     specs = {f"spec{jax.tree_util.keystr(p)}": np.array(str(x.sharding.spec))
              for p, x in jax.tree_util.tree_leaves_with_path(
                  {"merged": merged, "base": trainer.frozen_params})}
-    np.savez(os.path.join(out_dir, f"merge_{jax.process_index()}.npz"),
-             **{jax.tree_util.keystr(p): x for p, x in flat}, **specs)
+    np.savez(os.path.join(out_dir, f"merge_{jax.process_index()}.npz"), **specs, **flat_host(
+        {"base": trainer.frozen_params, "adapters": trainer.params, "merged": merged}))
 
 
 def lead_run(out_dir):
     import jax
     import optax
     from redcoast import Deployer, Trainer
-    from redcoast.host import to_host
     from tiny_lm import collate_fn, loss_fn, make_examples, make_model
 
     deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)  # before any JAX call
@@ -180,26 +181,19 @@ def lead_run(out_dir):
     trainer = Trainer(deployer, collate_fn, model.apply, loss_fn, params, optax.sgd(0.05))
     trainer.train(make_examples(4 * 200), 1, log_every_n_steps=200)  # 4 data shards
     losses = [trainer.eval_loss(make_examples(160, seed=1), 1) for _ in range(6)]
-    flat = jax.tree_util.tree_leaves_with_path(to_host(trainer.params))
     np.savez(os.path.join(out_dir, f"lead_{jax.process_index()}.npz"), eval_losses=losses,
-             step=trainer.step, **{jax.tree_util.keystr(p): x for p, x in flat})
+             **host_state(trainer))
+
+
+MODES = {"ckpt": checkpoint_round_trip, "gqa": grouped_kv_run, "nan": nan_run, "moves": moves_run,
+         "merge": merge_run, "lead": lead_run}
 
 
 def main():
     out_dir = sys.argv[1]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if sys.argv[2] == "ckpt":
-        return checkpoint_round_trip(out_dir)
-    if sys.argv[2] == "gqa":
-        return grouped_kv_run(out_dir)
-    if sys.argv[2] == "nan":
-        return nan_run(out_dir)
-    if sys.argv[2] == "moves":
-        return moves_run(out_dir)
-    if sys.argv[2] == "merge":
-        return merge_run(out_dir)
-    if sys.argv[2] == "lead":
-        return lead_run(out_dir)
+    if sys.argv[2] in MODES:
+        return MODES[sys.argv[2]](out_dir)
     shard_counts = [int(n) for n in sys.argv[2].split(",")]
     explicit = {}
     if len(sys.argv) > 3:
