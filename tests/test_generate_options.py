@@ -174,6 +174,26 @@ def test_option_errors_name_the_fix(tiny):
             generate(model, params, IDS, MASK, max_new_tokens=8, **options)
 
 
+def test_empty_or_non_text_stop_strings_are_refused_before_generating(tiny, free_greedy):
+    # "" is in every text: it cut every row after its first token, silently
+    _, model, params = tiny
+    cases = [([""], "holds an empty string"), ("", "holds an empty string"),
+             (["ab", None], "holds None (NoneType)"), ([3], "holds 3 (int)"),
+             ([b"ab"], "holds b'ab' (bytes)"), (7, "stop_strings=7 is no text to stop at")]
+    for stop, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+            generate(model, params, IDS, MASK, max_new_tokens=8, eos_token_id=(),
+                     pad_token_id=PAD, stop_strings=stop, tokenizer=Letters())
+        assert "stop_strings" in str(caught.value) and "Fix" in str(caught.value)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            cut_at_stop_strings(free_greedy, Letters(), [stop] if stop == "" else stop, PAD)
+    # none at all stays allowed, and cuts nothing
+    for none in (None, (), []):
+        np.testing.assert_array_equal(
+            generate(model, params, IDS, MASK, max_new_tokens=8, eos_token_id=(),
+                     pad_token_id=PAD, stop_strings=none, tokenizer=Letters()), free_greedy)
+
+
 def test_a_folder_without_generation_config_gives_an_empty_one(tmp_path):
     from redcoast.models.pretrained import read_generation_config
 

@@ -397,8 +397,7 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
         forced_eos_token_id=forced_eos_token_id), rng)
     cfg = SearchConfig.make(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
                             stop_sequences=stop_sequences, **options)
-    if isinstance(stop_strings, str):
-        stop_strings = (stop_strings,)
+    stop_strings = checked_stop_strings(stop_strings)
     if stop_strings and tokenizer is None:
         raise ConfigError("stop_strings needs tokenizer=... (what turns the new tokens into text, "
                           "e.g. the tokenizer from_gguf returns).")
@@ -437,6 +436,7 @@ def cut_at_stop_strings(tokens, tokenizer, stop_strings, pad_token_id):
     """``tokens`` [B, N] (numpy) with each row cut after the first token whose text completes one
     of ``stop_strings`` (that token kept, the rest ``pad_token_id``), as transformers'
     ``stop_strings`` end a row."""
+    stop_strings = checked_stop_strings(stop_strings)
     tokens = np.array(tokens)
     for row in tokens:
         for k in range(1, len(row) + 1):
@@ -445,6 +445,29 @@ def cut_at_stop_strings(tokens, tokenizer, stop_strings, pad_token_id):
                 row[k:] = pad_token_id
                 break
     return tokens
+
+
+def checked_stop_strings(stop_strings):
+    """``stop_strings`` as a tuple of non-empty strings (one string is one stop string; None or
+    an empty list: none). An empty string is in every text, so it would cut every row after its
+    first token; any other item is no text to look for: both refused."""
+    if stop_strings is None:
+        return ()
+    if isinstance(stop_strings, str):
+        stop_strings = (stop_strings,)
+    if not isinstance(stop_strings, (list, tuple, set, frozenset)):
+        raise ConfigError(f"stop_strings={stop_strings!r} is no text to stop at. Fix: give a "
+                          "string or a list of strings (e.g. stop_strings=['\\n\\n']).")
+    for stop in stop_strings:
+        if not isinstance(stop, str):
+            raise ConfigError(f"stop_strings holds {stop!r} ({type(stop).__name__}); each stop "
+                              "string is text. Fix: pass strings only (token ids go to "
+                              "stop_sequences).")
+        if not stop:
+            raise ConfigError("stop_strings holds an empty string, which every text contains: "
+                              "each row would be cut after its first token. Fix: remove it "
+                              "(stop_strings=() for none).")
+    return tuple(stop_strings)
 
 
 def check_token_ids(input_ids, model):
