@@ -93,7 +93,7 @@ def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> 
            "accumulate": recipe.accumulate_grad_batches,
            "budget": deployer.device_memory_budget(),
            "own_train_step": recipe.train_step_fn is not None}
-    return LayoutMemory.in_workdir(workdir, key, deployer.devices, cache_dir)
+    return LayoutMemory.in_workdir(workdir, key, deployer.devices, cache_dir, deployer.log_warning)
 
 
 def _frozen_split_over_model_shards(layout):

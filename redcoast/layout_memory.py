@@ -13,8 +13,10 @@ compare the candidates again.
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -27,16 +29,18 @@ class LayoutMemory:
     """Where a run's choice is kept (``path``: the workdir's file, or None; ``cache_dir``: the
     per-user cache's directory, one file per key, or None) and what, besides the parameters and
     the first batch, it was chosen for: the run's ``devices`` and ``options`` (any JSON-able
-    value, e.g. the fsdp / fusion choices, the shard counts, the compute dtype, the budget)."""
+    value, e.g. the fsdp / fusion choices, the shard counts, the compute dtype, the budget).
+    ``warn(text)`` says why a file was not taken (default: this module's logger)."""
     path: str | None
     options: dict
     devices: tuple
     cache_dir: str | None = None
+    warn: Callable[[str], None] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
-    def in_workdir(cls, workdir, options, devices, cache_dir=None):
+    def in_workdir(cls, workdir, options, devices, cache_dir=None, warn=None):
         path = None if workdir is None else os.path.join(workdir, FILE)
-        return cls(path, options, tuple(devices), cache_dir)
+        return cls(path, options, tuple(devices), cache_dir, warn)
 
     def places(self):
         """Where choices are written, for the log."""
@@ -63,17 +67,56 @@ class LayoutMemory:
     def recall(self, params, batch, candidate_type):
         """``(candidate, the file it was read from)`` remembered for this key
         (``candidate_type(**fields)``), or None: no file, another key, or a file that cannot be
-        read (then the choice is made again)."""
+        read or holds a candidate this run cannot take (e.g. edited by hand); those two are
+        said (``warn``), and the choice is made again and written over them."""
         key = self.key(params, batch)
         for path in self._files(key):
+            if not os.path.exists(path):
+                continue
             try:
                 with open(path) as f:
                     record = json.load(f)
-                if record.get("key") == key:
-                    return candidate_type(**record["candidate"]), path
-            except (OSError, ValueError, KeyError, TypeError):
+                if not isinstance(record, dict):
+                    raise ValueError(f"a JSON {type(record).__name__}, not an object")
+            except (OSError, ValueError) as e:
+                self._ignored(path, f"it cannot be read as JSON ({e})")
                 continue
+            if record.get("key") != key:
+                continue  # another model, batch, devices or options: not this run's choice
+            wrong = self._impossible(record.get("candidate"), candidate_type)
+            if wrong:
+                self._ignored(path, wrong)
+                continue
+            return candidate_type(**record["candidate"]), path
         return None
+
+    def _impossible(self, fields, candidate_type):
+        """Why ``fields`` (a record's candidate) cannot be this run's layout, or None."""
+        names = [f.name for f in dataclasses.fields(candidate_type)]
+        if not isinstance(fields, dict) or sorted(fields) != sorted(names):
+            return f"its candidate is {fields!r}, not the fields {names}"
+        n = fields.get("n_model_shards")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or len(self.devices) % n:
+            return (f"n_model_shards={n!r} does not divide the run's {len(self.devices)} "
+                    "devices into model shards")
+        counts = self.options.get("shard_counts")
+        if counts is not None and n not in counts:
+            return f"n_model_shards={n} is not among this run's choices {counts}"
+        for name, allowed in (("fsdp", self.options.get("fsdp")),
+                              ("fuse_matmuls", self.options.get("fuse_matmuls"))):
+            value = fields[name]
+            if name == "fuse_matmuls" and value is False:
+                continue  # what one model shard always takes
+            if allowed is not None and not any(type(value) is type(a) and value == a
+                                               for a in allowed):
+                return f"{name}={value!r} is not among this run's choices {allowed}"
+        return None
+
+    def _ignored(self, path, why):
+        text = (f"{path} is ignored: {why}. The layout is chosen again and written there. Fix: "
+                "nothing to do; to pin a layout, pass Deployer(n_model_shards=...) instead of "
+                "editing the file.")
+        (self.warn or logging.getLogger(__name__).warning)(text)
 
     def remember(self, params, batch, candidate, reason):
         """Write ``candidate`` (a dataclass) as the choice for this key, in the workdir and the
