@@ -51,9 +51,10 @@ def named_tensors(params):
 
 def load_params(path, like):
     """Read a safetensors file written by :func:`save_params` into the structure of ``like``."""
-    from safetensors.numpy import load_file
+    from .safetensors_check import load_safetensors
 
-    tensors = load_file(path)
+    tensors = load_safetensors(path, "pass the file redcoast.export.save_params wrote, or "
+                                     "write it again")
     expected = {SEPARATOR.join(p): np.shape(leaf) for p, leaf in leaves_with_paths(like)}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))

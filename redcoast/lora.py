@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 
 from .errors import ConfigError
 from .export import SEPARATOR, save_params
+from .folder_files import file_in_folder
 from .validate import tree_keys
 
 # Attention query and value projections of redcoast.models (Llama/OPT q_proj, v_proj; BERT
@@ -299,7 +300,7 @@ def save_adapters(lora, adapters, directory):
 def load_adapters(directory):
     """``(lora, adapters)`` from a folder written by :func:`save_adapters` (numpy arrays;
     ``lora.merge`` or the Trainer places them)."""
-    config_path = os.path.join(directory, CONFIG_FILE)
+    config_path = file_in_folder(directory, CONFIG_FILE, "the adapters' config")
     if not os.path.exists(config_path):
         raise ConfigError(f"{directory} has no {CONFIG_FILE}. Fix: pass a folder written by "
                           "redcoast.lora.save_adapters.")
@@ -308,7 +309,7 @@ def load_adapters(directory):
     if config.get("format") != FORMAT:
         raise ConfigError(f"{config_path} is of format {config.get('format')!r}, not {FORMAT!r}. "
                           "Fix: pass a folder written by redcoast.lora.save_adapters.")
-    tensors = read_safetensors(os.path.join(directory, WEIGHTS_FILE),
+    tensors = read_safetensors(file_in_folder(directory, WEIGHTS_FILE, "the adapters' weights"),
                                "save the adapters again (save_adapters)")
     targets = config["targets"]
     lora = LoRA(rank=config["rank"], alpha=config["alpha"], in_dims=config["in_dims"],
@@ -332,16 +333,9 @@ def load_adapters(directory):
 
 def read_safetensors(path, fix):
     """All tensors of the safetensors file ``path`` (numpy), or a clear error naming it."""
-    from safetensors.numpy import load_file
+    from .safetensors_check import load_safetensors
 
-    if not os.path.exists(path):
-        raise ConfigError(f"{path} does not exist. Fix: {fix}.")
-    try:
-        return load_file(path)
-    except Exception as e:  # noqa: BLE001 - safetensors' own errors name no file
-        raise ConfigError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e}): it "
-                          "is damaged or incomplete (an interrupted save or copy?). "
-                          f"Fix: {fix}.") from e
+    return load_safetensors(path, fix)
 
 
 def _get(tree, path):

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
-from .gguf_header import read_header
+from .gguf_header import read_header_kinds
+from .gguf_metadata import check_metadata
 from .layers import rope_inv_freq
 
 # llama.cpp's architecture -> the Hugging Face model_type and class it was converted from; only
@@ -91,7 +92,8 @@ class GGUFFile:
             raise ConfigError(f"'{path}' is not a file; from_gguf/read_gguf take the path of a "
                               ".gguf file on disk (nothing is downloaded).")
         self.path = path
-        self.version, self.metadata, self.tensors = read_header(path, _gguf())
+        self.version, self.metadata, kinds, self.tensors = read_header_kinds(path, _gguf())
+        check_metadata(path, self.metadata, kinds)
 
     def get(self, key, default=None):
         return self.metadata.get(key, default)
@@ -102,6 +104,18 @@ class GGUFFile:
                               "llama.cpp GGUF model file.")
         return self.metadata[key]
 
+    def number(self, key, kind, default=None):
+        """The metadata value ``key`` as ``kind`` (int or float), ``default`` where it is absent;
+        a value of another type (a string, a float for a count) is named, not converted."""
+        value = self.metadata.get(key, default)
+        allowed = (int,) if kind is int else (int, float)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
+            expected = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{self.path} is damaged: its metadata value {key!r} is "
+                              f"{value!r}, where llama.cpp's files hold {expected}. Fix: "
+                              "download or convert the file again.")
+        return None if value is None else kind(value)
+
 
 def hf_config(file):
     """A Hugging Face Llama config.json dict from a :class:`GGUFFile`'s metadata."""
@@ -111,30 +125,38 @@ def hf_config(file):
                           f"{list(ARCHITECTURES)} GGUF files (other families: convert to a Hugging "
                           "Face folder and use from_pretrained).")
 
-    def key(name):
-        return file.require(f"{arch}.{name}")
+    def key(name, kind):
+        file.require(f"{arch}.{name}")
+        return opt(name, kind)
 
-    def opt(name, default=None):
-        return file.get(f"{arch}.{name}", default)
+    def opt(name, kind=None, default=None):
+        if kind is None:
+            return file.get(f"{arch}.{name}", default)
+        value = file.number(f"{arch}.{name}", kind, default)
+        if kind is int and value is not None and value <= 0:
+            raise ConfigError(f"{file.path} is damaged: its metadata value '{arch}.{name}' is "
+                              f"{value}, a count that must be positive. Fix: download or "
+                              "convert the file again.")
+        return value
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    hidden, heads = key("embedding_length", int), key("attention.head_count", int)
     tokens = file.get("tokenizer.ggml.tokens")
-    vocab = len(tokens) if tokens is not None else int(key("vocab_size"))
-    head_dim = int(opt("attention.key_length", hidden // heads))
-    rope_theta = float(opt("rope.freq_base", 10000.0))
+    vocab = len(tokens) if tokens is not None else key("vocab_size", int)
+    head_dim = opt("attention.key_length", int, hidden // heads)
+    rope_theta = opt("rope.freq_base", float, 10000.0)
     model_type, architecture = ARCHITECTURES[arch]
     config = {
         "model_type": model_type,
         "architectures": [architecture],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": key("feed_forward_length", int),
+        "num_hidden_layers": key("block_count", int),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(opt("attention.head_count_kv", heads)),
+        "num_key_value_heads": opt("attention.head_count_kv", int, heads),
         "head_dim": head_dim,
-        "max_position_embeddings": int(key("context_length")),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": key("context_length", int),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", float),
         "rope_theta": rope_theta,
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in file.tensors,
@@ -166,7 +188,7 @@ def rope_scaling(file, opt, rope_theta, head_dim):
     recognised in its ``rope_freqs`` tensor (the divisor of each rotary frequency), or None."""
     kind = opt("rope.scaling.type")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(opt("rope.scaling.factor", 1.0))}
+        return {"rope_type": "linear", "factor": opt("rope.scaling.factor", float, 1.0)}
     if kind not in (None, "none"):
         raise ConfigError(f"this GGUF file uses RoPE scaling {kind!r}, which redcoast's GGUF "
                           "reader does not support (linear, and Llama 3's rope_freqs, it does); "
@@ -174,7 +196,7 @@ def rope_scaling(file, opt, rope_theta, head_dim):
     if "rope_freqs.weight" not in file.tensors:
         return None
     t = file.tensors["rope_freqs.weight"]
-    divisors = np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type), np.float64).ravel()
+    divisors = np.asarray(dequantize(file.path, t), np.float64).ravel()
     factor = float(divisors.max())
     scaling = {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
     # what the model's own RoPE divides each frequency by under that scaling
@@ -187,6 +209,17 @@ def rope_scaling(file, opt, rope_theta, head_dim):
             f"{LLAMA3_ROPE}, the one redcoast recognises; load the model's Hugging Face folder "
             "with from_pretrained instead.")
     return scaling
+
+
+def dequantize(path, tensor):
+    """A :class:`~redcoast.models.gguf_header.GGUFTensor`'s values as numpy floats, or an error
+    naming the file where the gguf package has no dequantiser for its type."""
+    try:
+        return _gguf().quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ConfigError(f"{path}: tensor {tensor.name!r} is of type {tensor.tensor_type.name}, "
+                          f"which the installed gguf package cannot dequantise ({e}). Fix: "
+                          "pip install -U gguf, or convert the model to another type.") from e
 
 
 class GGUFTensors(Mapping):
@@ -223,7 +256,7 @@ class GGUFTensors(Mapping):
 
     def _dequantize(self, name):
         t = self._source[name]
-        array = _gguf().quants.dequantize(t.data, t.tensor_type)
+        array = dequantize(self.file.path, t)
         # GGUF lists dimensions innermost first; numpy's (row-major) order is the reverse.
         shape = self.shape(name)
         if array.shape != shape:

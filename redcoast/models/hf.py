@@ -17,7 +17,9 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError
+from ..safetensors_check import open_safetensors, wrapped
 from ..tensor_files import entry, write_safetensors
+from .folder_index import REFETCH, read_weight_map, weight_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,24 +50,28 @@ class SafetensorsFolder:
     """The tensors of one folder: ``model.safetensors`` or a sharded index of several files."""
 
     def __init__(self, folder):
-        from safetensors import safe_open
-
         self.folder = local_folder(folder)
         index = os.path.join(self.folder, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_weight_map(index)
+            first_tensor = {}
+            for tensor, name in weight_map.items():
+                first_tensor.setdefault(name, tensor)
+            paths = {name: weight_file(self.folder, name, f"{index} (for tensor {tensor!r})")
+                     for name, tensor in first_tensor.items()}
         elif os.path.exists(os.path.join(self.folder, SINGLE_FILE)):
             weight_map = None
+            paths = {SINGLE_FILE: weight_file(self.folder, SINGLE_FILE, self.folder)}
         else:
             raise ConfigError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; redcoast "
                               "reads safetensors weights only (convert .bin files with "
                               "transformers' save_pretrained(safe_serialization=True)).")
-        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
-        self._handles = {name: safe_open(os.path.join(self.folder, name), framework="numpy")
-                         for name in files}
+        self._handles = {name: open_safetensors(path, REFETCH) for name, path in paths.items()}
+        self._paths = paths
         if weight_map is None:
             weight_map = {key: SINGLE_FILE for key in self._handles[SINGLE_FILE].keys()}
+        else:
+            _check_listed_tensors(index, weight_map, self._handles, paths)
         self._file_of = weight_map
 
     def names(self):
@@ -87,7 +93,18 @@ class SafetensorsFolder:
         sl = self._slice(name)
         if index is None:
             index = tuple(slice(None) for _ in sl.get_shape())
-        return np.asarray(sl[tuple(index)])
+        return wrapped(self._paths[self._file_of[name]], REFETCH, f"read (tensor {name!r})",
+                       lambda: np.asarray(sl[tuple(index)]))
+
+
+def _check_listed_tensors(index, weight_map, handles, paths):
+    """Every tensor the index lists lies in the file it names there."""
+    held = {name: set(handle.keys()) for name, handle in handles.items()}
+    missing = [(tensor, name) for tensor, name in weight_map.items() if tensor not in held[name]]
+    if missing:
+        tensor, name = missing[0]
+        raise ConfigError(f"{index} places tensor {tensor!r} in {paths[name]}, which does not "
+                          f"hold it ({len(missing)} such tensors). Fix: {REFETCH}.")
 
 
 class TensorDict:
