@@ -33,7 +33,6 @@ from jax.sharding import NamedSharding
 
 from .errors import ConfigError
 from .export import SEPARATOR, save_params
-from .folder_files import file_in_folder
 from .validate import tree_keys
 
 # Attention query and value projections of redcoast.models (Llama/OPT q_proj, v_proj; BERT
@@ -300,7 +299,7 @@ def save_adapters(lora, adapters, directory):
 def load_adapters(directory):
     """``(lora, adapters)`` from a folder written by :func:`save_adapters` (numpy arrays;
     ``lora.merge`` or the Trainer places them)."""
-    config_path = file_in_folder(directory, CONFIG_FILE, "the adapters' config")
+    config_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.exists(config_path):
         raise ConfigError(f"{directory} has no {CONFIG_FILE}. Fix: pass a folder written by "
                           "redcoast.lora.save_adapters.")
@@ -309,7 +308,7 @@ def load_adapters(directory):
     if config.get("format") != FORMAT:
         raise ConfigError(f"{config_path} is of format {config.get('format')!r}, not {FORMAT!r}. "
                           "Fix: pass a folder written by redcoast.lora.save_adapters.")
-    tensors = read_safetensors(file_in_folder(directory, WEIGHTS_FILE, "the adapters' weights"),
+    tensors = read_safetensors(os.path.join(directory, WEIGHTS_FILE),
                                "save the adapters again (save_adapters)")
     targets = config["targets"]
     lora = LoRA(rank=config["rank"], alpha=config["alpha"], in_dims=config["in_dims"],
