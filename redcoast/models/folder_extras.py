@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError
+from ..folder_files import file_in_folder
 from .hf import write_json
 
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -60,5 +61,6 @@ def write_tokenizer(folder, tokenizer, model, config):
         tokenizer_config["model_max_length"] = int(config["max_position_embeddings"])
     if template is not None:
         tokenizer_config["chat_template"] = template.source
-    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    # tokenizers writes through a link that is there: never into a file outside the folder
+    tokenizer.save(file_in_folder(folder, "tokenizer.json", "the tokenizer written"))
     write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config)

@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..lora import LoRA, _check_pairs, _get, _set, adapter_paths, path_str, read_safetensors
 from ..tensor_files import Deferred, entry, host_array, write_safetensors
+from ..folder_files import file_in_folder
 from .pretrained import family_of
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -117,7 +118,7 @@ def load_peft_adapters(folder, model, params=None):
     """``(lora, adapters)`` from a PEFT LoRA folder for ``model``: adapters in redcoast's layout
     (numpy), for ``lora.merge(params, adapters)`` or a Trainer. ``params`` (the base, optional)
     gives the kernels' shapes for kernels with more than two axes."""
-    path = os.path.join(folder, CONFIG_FILE)
+    path = file_in_folder(folder, CONFIG_FILE, "the PEFT adapter's config")
     if not os.path.exists(path):
         raise ConfigError(f"{folder} has no {CONFIG_FILE}. Fix: pass a folder PEFT wrote "
                           "(peft_model.save_pretrained) or save_peft_adapters did.")
@@ -139,7 +140,7 @@ def load_peft_adapters(folder, model, params=None):
     alpha = float(config["lora_alpha"])
     if config.get("use_rslora"):  # scale alpha / sqrt(r): the same as alpha * sqrt(r) / r
         alpha *= math.sqrt(rank)
-    tensors = read_safetensors(os.path.join(folder, WEIGHTS_FILE),
+    tensors = read_safetensors(file_in_folder(folder, WEIGHTS_FILE, "the PEFT adapter's weights"),
                                "save the PEFT adapters again")
     by_module = {m: (p, t) for p, (m, t) in _modules(model).items()}
     adapters, unknown = {}, []

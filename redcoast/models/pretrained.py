@@ -32,10 +32,13 @@ import numpy as np
 from ..errors import ConfigError
 from . import folder_extras
 from .chat_template import ChatTemplate
+from ..folder_files import file_in_folder
 from ..sharding.paths import key_to_str
 from ..tensor_files import Deferred, host_array, host_row
 from . import hf
 from .base import Model
+
+CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
 
 # model_type in config.json -> the family module that reads it
 FAMILIES = {
@@ -93,6 +96,8 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
                                 architecture=architecture, fsdp=fsdp,
                                 config_overrides=config_overrides, rng=rng)
     model.generation_config = read_generation_config(folder)
+    for name in CHAT_TEMPLATE_FILES:  # ChatTemplate.from_folder reads them by name
+        file_in_folder(folder, name, "the chat template's source")
     model.chat_template = ChatTemplate.from_folder(folder)
     return model, params
 
@@ -100,7 +105,7 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
 def read_generation_config(folder):
     """The folder's ``generation_config.json`` as a dict (generation's defaults: EOS, pad, ...),
     or ``{}`` where it has none."""
-    path = os.path.join(folder, "generation_config.json")
+    path = file_in_folder(folder, "generation_config.json", "the generation defaults")
     if not os.path.exists(path):
         return {}
     try:
