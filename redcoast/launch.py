@@ -6,7 +6,8 @@
 Each process runs the unchanged script; ``Deployer()`` finds its place in the run from the
 ``REDCOAST_*`` variables set here (coordinator 127.0.0.1 on a free port, process count and id,
 local device count) and starts ``jax.distributed``. Every line a process prints is prefixed with
-its index (``[0] ...``). SIGINT and SIGTERM are forwarded to all processes. When one process
+its index (``[0] ...``); a line longer than 1 MiB is relayed in pieces, each prefixed so (the
+relay's time stays linear in the output). SIGINT and SIGTERM are forwarded to all processes. When one process
 fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace-period`` seconds) and the
 launcher exits non-zero, naming the process, how it ended, and its last lines of output.
 
@@ -15,8 +16,8 @@ script returns: it may then wait in JAX's shutdown barrier) while the others kee
 ``--exit-timeout`` seconds (an early exit the others would otherwise wait for, or later blame on a
 survivor), and when a process makes no progress for
 ``--stall-timeout`` seconds (a hang; each process on its own, so a chatty one cannot hide a hung
-one). Progress is a line of output or a touch of the file named by ``REDCOAST_HEARTBEAT_FILE``
-(:func:`heartbeat`; redcoast's training, evaluation and prediction loops touch it every batch).
+one). Progress is any output (a line or part of one) or a touch of the file named by
+``REDCOAST_HEARTBEAT_FILE`` (:func:`heartbeat`; redcoast's training, evaluation and prediction loops touch it every batch).
 A forwarded SIGINT or SIGTERM gives the processes ``--stop-timeout`` seconds to save and exit,
 then SIGKILL. A ``--port`` already in use, on any address of this machine, is reported before
 anything starts.
@@ -39,10 +40,13 @@ from . import distributed
 
 POLL_S = 0.05
 TAIL_LINES = 30
+TAIL_LINE_CHARS = 2000       # of each line, in the failure report
+MAX_LINE_BYTES = 1 << 20     # a longer line is relayed in pieces of this many bytes
 ENV_HEARTBEAT_FILE = "REDCOAST_HEARTBEAT_FILE"
 EARLY_EXIT_FIX = ("every process must run the script to its end (no sys.exit / return on some "
                   "processes only); to stop a run early, raise an error or stop all processes.")
 _FORCE_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
+_LINE_END = re.compile(rb"[\r\n]")
 
 
 def main(argv=None):
@@ -100,7 +104,7 @@ def _parser():
                         help="seconds the other processes get to exit after one fails, before "
                              "SIGKILL (default 5)")
     parser.add_argument("--stall-timeout", type=float, default=1800.0, metavar="S",
-                        help="end the launch when a process has printed no line and touched "
+                        help="end the launch when a process has printed nothing and touched "
                              "no heartbeat for S seconds (redcoast's loops touch it every "
                              "batch; default 1800; 0: never)")
     parser.add_argument("--exit-timeout", type=float, default=60.0, metavar="S",
@@ -238,19 +242,21 @@ def _die_with_parent():
 
 
 class _Output:
-    """Copies one process's stdout or stderr to ours, each line prefixed with its index;
-    ``progress[index]`` is the time of its last line."""
+    """Copies one process's stdout or stderr to ours, each line prefixed with its index, in time
+    linear in the output: a line longer than ``max_line`` bytes is written in pieces of at most
+    that (each prefixed, and ended, as a line). ``progress[index]`` is the time it last printed
+    anything, a piece of a line included; ``unfinished`` is the line it has begun and not ended."""
 
     lock = threading.Lock()
 
-    def __init__(self, pipe, prefix, sink, tail, progress=None, index=0):
+    def __init__(self, pipe, prefix, sink, tail, progress=None, index=0, max_line=MAX_LINE_BYTES):
         self.pipe, self.prefix, self.sink, self.tail = pipe, prefix.encode(), sink, tail
-        self.progress, self.index = progress, index
+        self.progress, self.index, self.max_line = progress, index, max_line
+        self.unfinished = bytearray()
         self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
 
     def _pump(self):
-        pending = b""
         fd = self.pipe.fileno()
         while True:
             try:
@@ -259,30 +265,62 @@ class _Output:
                 chunk = b""
             if not chunk:
                 break
-            pending += chunk
-            # A line ends at \n, or at \r (progress bars redraw themselves with it).
-            start = 0
-            for j, byte in enumerate(pending):
-                if byte in (10, 13):
-                    self._write(pending[start:j + 1])
-                    start = j + 1
-            pending = pending[start:]
-        if pending:
-            self._write(pending + b"\n")
+            if self.progress is not None:
+                self.progress[self.index] = time.monotonic()
+            self._take(chunk)
+        if self.unfinished:
+            self._write(bytes(self.unfinished) + b"\n")
+            self.unfinished.clear()
         self.pipe.close()
 
+    def _take(self, chunk):
+        """Write the lines ``chunk`` ends; keep what follows the last one. Only the new bytes
+        are searched, so a long line costs its length once (not once per read)."""
+        start = 0
+        # A line ends at \n, or at \r (progress bars redraw themselves with it).
+        for end in _LINE_END.finditer(chunk):
+            self.unfinished += chunk[start:end.start()]
+            self._write_pieces()
+            self._write(bytes(self.unfinished) + end.group())
+            self.unfinished.clear()
+            start = end.end()
+        self.unfinished += chunk[start:]
+        self._write_pieces()
+
+    def _write_pieces(self):
+        """Write the unfinished line's first pieces, as lines, while it is over ``max_line``."""
+        while len(self.unfinished) > self.max_line:
+            cut = _utf8_boundary(self.unfinished, self.max_line)
+            self._write(bytes(self.unfinished[:cut]) + b"\n")
+            del self.unfinished[:cut]  # from the front of a bytearray: no copy of the rest
+
     def _write(self, line):
-        if self.progress is not None:
-            self.progress[self.index] = time.monotonic()
         text = line.rstrip(b"\r\n")
         if text:
-            self.tail.append(text.decode(errors="replace"))
+            self.tail.append(_tail_text(text))
         with self.lock:
             try:
                 self.sink.write(self.prefix + line)
                 self.sink.flush()
             except (OSError, ValueError):  # our own output is gone; keep draining the pipe
                 pass
+
+
+def _utf8_boundary(data, limit):
+    """The cut nearest below ``limit`` (``data[limit]`` exists) that splits no UTF-8 character;
+    ``limit`` itself when the bytes there are not UTF-8."""
+    for cut in range(limit, max(limit - 4, 0), -1):
+        if data[cut] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+            return cut
+    return limit
+
+
+def _tail_text(line):
+    """A line as the failure report shows it: its first TAIL_LINE_CHARS bytes at most."""
+    if len(line) <= TAIL_LINE_CHARS:
+        return line.decode(errors="replace")
+    return (line[:TAIL_LINE_CHARS].decode(errors="replace")
+            + f" ... ({len(line) - TAIL_LINE_CHARS} more bytes)")
 
 
 class Launcher:

@@ -4,11 +4,14 @@ The detection tests read faked environments and start nothing; the others start 
 on loopback (faked SLURM / Open MPI variables, the launcher with a failing or killed process).
 """
 
+import collections
+import io
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import tomllib
 
@@ -17,7 +20,7 @@ import pytest
 from redcoast import distributed
 from redcoast.distributed import Cluster, detect, first_slurm_host
 from redcoast.errors import ConfigError
-from redcoast.launch import child_env, cli, describe_exit, free_port, parse_args
+from redcoast.launch import _Output, child_env, cli, describe_exit, free_port, parse_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -165,6 +168,42 @@ def test_command_line(tmp_path, capsys):
     assert describe_exit(3) == "exited with code 3"
 
 
+# -- the output relay ------------------------------------------------------------------------
+
+def relay(data, **kwargs):
+    """``(what _Output wrote, its tail, seconds)`` for ``data`` written into a pipe."""
+    read, write = os.pipe()
+    sink, tail = io.BytesIO(), collections.deque(maxlen=30)
+    writer = threading.Thread(target=lambda: os.fdopen(write, "wb").write(data) and None)
+    start = time.monotonic()
+    writer.start()
+    out = _Output(os.fdopen(read, "rb"), "[0] ", sink, tail, **kwargs)
+    out.thread.join(timeout=5)  # 5 MB: well under 1 s linear; a rescan per read took minutes
+    took = time.monotonic() - start
+    assert not out.thread.is_alive(), f"the relay of {len(data)} bytes took over {took:.0f} s"
+    writer.join()
+    return sink.getvalue(), list(tail), took
+
+
+def test_a_long_line_is_relayed_in_linear_time_in_prefixed_pieces():
+    data = b"x" * (5 << 20) + b"\nend\n"
+    written, tail, took = relay(data)
+    lines = written.split(b"\n")[:-1]
+    assert all(line.startswith(b"[0] ") for line in lines)
+    assert max(len(line) for line in lines) <= 4 + (1 << 20)  # pieces of 1 MiB at most
+    assert b"".join(line[4:] for line in lines) == data.replace(b"\n", b"")
+    assert tail[-1] == "end" and tail[-2].endswith("more bytes)") and len(tail[-2]) < 2100
+    print(f"5 MiB line relayed in {took:.2f} s")
+
+
+def test_pieces_of_a_long_line_split_no_utf8_character_and_lines_keep_their_ends():
+    data = "é".encode() * 10 + b"\rbar\r\nbaz"  # 2-byte characters: a 5-byte cut would split one
+    written, tail, _ = relay(data, max_line=5)
+    two = "éé".encode()
+    assert written.split(b"[0] ")[1:] == [two + b"\n"] * 4 + [two + b"\r", b"bar\r", b"\n", b"baz\n"]
+    assert tail == ["éé"] * 5 + ["bar", "baz"]
+
+
 # -- real processes ---------------------------------------------------------------------------
 
 HELLO = textwrap.dedent("""
@@ -250,6 +289,52 @@ def test_launch_prefixes_output_and_passes_arguments(tmp_path):
     assert proc.returncode == 0, out
     for i in range(2):
         assert f"[{i}] process {i} of 2: 3 local / 6 devices, saw [0, 1], args ['-n', 'x']" in out
+
+
+@pytest.mark.slow  # 200 MB through the launcher: a few seconds
+def test_launch_relays_a_100_mb_line_without_a_newline_in_seconds(tmp_path):
+    (tmp_path / "flood.py").write_text(textwrap.dedent("""
+        import sys
+        sys.stdout.buffer.write(b"x" * 100_000_000)  # one line, no newline
+        sys.stdout.flush()
+        print("\\nafter the flood", flush=True)
+    """))
+    start = time.monotonic()
+    with open(tmp_path / "out", "wb") as out:
+        proc = subprocess.run([sys.executable, "-m", "redcoast.launch", "-n", "2", "flood.py"],
+                              cwd=tmp_path, env=env_for_children(), stdout=out,
+                              stderr=subprocess.PIPE, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "out").read_bytes().split(b"\n")
+    for i in range(2):
+        mine = [line[4:] for line in lines if line.startswith(f"[{i}] ".encode())]
+        assert b"".join(mine[:-1]) == b"x" * 100_000_000 and mine[-1] == b"after the flood"
+    assert took < 30, f"the launch took {took:.1f} s"
+    print(f"two 100 MB lines through redcoast launch -n 2 in {took:.1f} s")
+
+
+def test_launch_counts_part_of_a_line_as_progress_and_names_the_process_that_then_hangs(tmp_path):
+    """Process 1 prints one line a dot at a time for 3 s (longer than --stall-timeout 2), then
+    hangs mid-line while process 0 keeps printing: process 1 is named, its unfinished line
+    whole in the report; a rule of complete lines would have named it after 2 s, at 10 dots."""
+    (tmp_path / "dots.py").write_text(textwrap.dedent("""
+        import os, sys, time
+        if os.environ["REDCOAST_PROCESS_ID"] == "0":
+            while True:
+                print("still here", flush=True)
+                time.sleep(0.2)
+        sys.stdout.write("loading")
+        for _ in range(15):
+            sys.stdout.write("."); sys.stdout.flush(); time.sleep(0.2)
+        time.sleep(120)  # hangs, its line unfinished
+    """))
+    proc = launch(["-n", "2", "--stall-timeout", "2", "dots.py"], tmp_path)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, out
+    report = out.split("FAILED")[1]
+    assert report.startswith(": process 1 of 2") and "made no progress" in report, out
+    assert "  [1] loading" + "." * 15 + "\n" in report
 
 
 KILLED = textwrap.dedent("""
