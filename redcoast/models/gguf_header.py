@@ -245,8 +245,8 @@ def _read_tensor_infos(cursor, n_tensors, gguf):
                           f"reads them: int64) in {dims}", where)
         n_elements = math.prod(dims)
         if n_elements >= INT64_MAX:
-            raise damaged(cursor.path, f"tensor {name!r}'s dimensions {dims} hold more "
-                          "elements than an int64 counts", where)
+            raise damaged(cursor.path, f"the dimensions {dims} of tensor {name!r} hold "
+                          "more elements than an int64 counts", where)
         type_id = cursor.scalar("I", f"the type of tensor {name!r}")
         tensor_type = _tensor_type(gguf, type_id)
         if tensor_type is None:
@@ -254,8 +254,8 @@ def _read_tensor_infos(cursor, n_tensors, gguf):
                           "ggml's that the gguf package knows", where)
         block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
         if (dims[0] if dims else 1) % block_size:  # ggml counts a missing dimension as 1
-            raise damaged(cursor.path, f"tensor {name!r}'s rows of {dims[0]} values are not "
-                          f"whole blocks of {block_size} of its type {tensor_type.name}", where)
+            raise damaged(cursor.path, f"the rows of tensor {name!r} ({dims[0]} values) are "
+                          f"not whole blocks of {block_size} of its type {tensor_type.name}", where)
         offset = cursor.scalar("Q", f"the data offset of tensor {name!r}")
         infos.append(_TensorInfo(name, dims, tensor_type, offset, block_size, type_size, at))
     return infos
