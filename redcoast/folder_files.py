@@ -26,6 +26,9 @@ def file_in_folder(folder, name, named_by):
         return path  # the caller says what is missing
     real, root = os.path.realpath(path), os.path.realpath(folder)
     if _inside(real, root) or any(_inside(real, blobs) for blobs in _hub_blobs(root)):
+        if os.path.isdir(real):
+            raise ConfigError(f"{path} ({named_by}) is a folder, not a file. Fix: put the file "
+                              "itself there.")
         return path
     raise ConfigError(f"{path} ({named_by}) leads outside its folder {folder}, to {real}: a "
                       "folder from elsewhere could make redcoast read any file on the machine "

@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..lora import LoRA, _check_pairs, _get, _set, adapter_paths, path_str, read_safetensors
 from ..tensor_files import Deferred, entry, host_array, write_safetensors
 from ..folder_files import file_in_folder
+from .peft_targets import check_targets
 from .pretrained import family_of
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -45,6 +46,26 @@ def _modules(model):
         if path.endswith("/kernel") and src.name.endswith(".weight"):
             out[path] = (src.name[:-len(".weight")], bool(src.transpose))
     return out
+
+
+def _module_kinds(model):
+    """``{Hugging Face module name: whether it is a linear layer}`` for the modules of
+    :func:`_modules` (a linear layer keeps a 2-D weight; a convolution's has more axes)."""
+    from jax import tree_util
+
+    from . import hf
+
+    family = family_of(model.config.to_hf()["model_type"])
+    sources = family.hf_sources(model.config, model.module_cls)
+    flat, treedef = tree_util.tree_flatten_with_path(sources, is_leaf=hf.is_source)
+    shapes = treedef.flatten_up_to(model.abstract_params())
+    modules = _modules(model)
+    kinds = {}
+    for (kp, src), abstract in zip(flat, shapes):
+        path = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp)
+        if path in modules:
+            kinds[modules[path][0]] = len(hf.stored_shape(src, abstract.shape)) == 2
+    return kinds
 
 
 def _task_type(model):
@@ -125,7 +146,8 @@ def load_peft_adapters(folder, model, params=None):
     with open(path) as f:
         config = json.load(f)
     unsupported = [f"{k}={config[k]!r}" for k in ("use_dora", "rank_pattern", "alpha_pattern",
-                                                  "modules_to_save", "lora_bias")
+                                                  "modules_to_save", "lora_bias",
+                                                  "target_parameters")
                    if config.get(k)]
     if config.get("peft_type", "LORA") != "LORA":
         unsupported.insert(0, f"peft_type={config.get('peft_type')!r}")
@@ -140,10 +162,10 @@ def load_peft_adapters(folder, model, params=None):
     alpha = float(config["lora_alpha"])
     if config.get("use_rslora"):  # scale alpha / sqrt(r): the same as alpha * sqrt(r) / r
         alpha *= math.sqrt(rank)
-    tensors = read_safetensors(file_in_folder(folder, WEIGHTS_FILE, "the PEFT adapter's weights"),
-                               "save the PEFT adapters again")
+    weights_path = file_in_folder(folder, WEIGHTS_FILE, "the PEFT adapter's weights")
+    tensors = read_safetensors(weights_path, "save the PEFT adapters again")
     by_module = {m: (p, t) for p, (m, t) in _modules(model).items()}
-    adapters, unknown = {}, []
+    adapters, unknown, held = {}, [], set()
     for key in sorted(tensors):
         for name, ours in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
             suffix = f".{name}.weight"
@@ -152,6 +174,7 @@ def load_peft_adapters(folder, model, params=None):
                 if module not in by_module:
                     unknown.append(key)
                     break
+                held.add(module)
                 kernel_path = tuple(by_module[module][0].split("/"))
                 _set(adapters, kernel_path + (ours,), tensors[key])
                 break
@@ -161,6 +184,8 @@ def load_peft_adapters(folder, model, params=None):
         raise ConfigError(f"{folder}/{WEIGHTS_FILE} holds tensors that are no LoRA adapter of a "
                           f"{model.module_cls.__name__} module: {unknown[:4]}. Fix: load adapters "
                           "trained for this model (its Hugging Face class and config).")
+    # PEFT adapts the modules target_modules names and fills them from the weights
+    check_targets(config, _module_kinds(model), held, weights_path, path)
     lora = LoRA(rank=rank, alpha=alpha, targets=tuple(
         f"(^|/){path_str(p)}$" for p in adapter_paths(adapters)) or ".")
     for kernel_path in adapter_paths(adapters):

@@ -1,0 +1,142 @@
+"""A PEFT folder is the model PEFT builds from it: the modules adapter_config.json's
+target_modules adapts, by PEFT's own matching rules (checked against the installed peft), and a
+folder whose weights hold other modules is refused naming the tensors (issue 48, case 7)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from redcoast import ConfigError, LoRA
+from redcoast.models import Model, llama, load_peft_adapters, save_peft_adapters
+from redcoast.models.peft import _module_kinds
+from redcoast.models.peft_targets import targeted
+from test_lora import TINY, _model, _random_adapters
+
+CONFIGS = [
+    {"target_modules": ["q_proj", "v_proj"]},
+    {"target_modules": ["model.layers.1.mlp.up_proj", "o_proj"]},
+    {"target_modules": ["self_attn.k_proj", "proj"]},  # "proj" is no name's last part
+    {"target_modules": r".*\.0\.self_attn\.(q|k)_proj"},
+    {"target_modules": "q_proj"},  # a string is a whole-name regex: matches nothing
+    {"target_modules": ".*_proj"},
+    {"target_modules": "all-linear"},
+    {"target_modules": "ALL-LINEAR", "exclude_modules": ["down_proj", "model.layers.0.mlp.up_proj"]},
+    {"target_modules": ".*proj", "exclude_modules": r".*\.1\..*"},
+    {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": [1]},
+    {"target_modules": ["q_proj", "model.layers.0.mlp.up_proj"], "layers_to_transform": 1,
+     "layers_pattern": "layers"},
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: json.dumps(c)[:60])
+def test_the_modules_a_config_adapts_are_those_peft_adapts(config):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    try:
+        peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=2, **config))
+        theirs = sorted({n.split(".lora_A")[0][len("base_model.model."):]
+                         for n, _ in peft_model.named_parameters() if ".lora_A" in n})
+    except ValueError as e:  # PEFT refuses a config that adapts nothing
+        assert "not found in the base model" in str(e) or "No modules were targeted" in str(e)
+        theirs = []
+    model = Model(llama.MODULES["LlamaForCausalLM"], llama.Config(**TINY))
+    assert sorted(targeted(config, _module_kinds(model))) == theirs
+
+
+def _folder(tmp_path, edit):
+    """A PEFT folder of q_proj and v_proj adapters whose adapter_config.json is then edited."""
+    model, base = _model()
+    lora = LoRA(rank=2, alpha=4, targets=r"(q_proj|v_proj)/kernel$")
+    adapters = _random_adapters(lora, base)
+    folder = tmp_path / "adapters"
+    save_peft_adapters(model, lora, adapters, str(folder))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "v_proj"]
+    config.update(edit)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return model, base, lora, adapters, folder
+
+
+@pytest.mark.parametrize("edit, said", [
+    ({"target_modules": ["q_proj"]}, "holds adapters of 2 modules that target_modules=['q_proj'] "
+     "does not adapt (PEFT leaves them unread): base_model.model.model.layers.0.self_attn.v_proj"),
+    ({"target_modules": ["q_proj", "v_proj", "k_proj"]}, "adapts 2 modules whose adapters "
+     "{weights} lacks (PEFT keeps them as initialised): "
+     "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"),
+    ({"target_modules": "v_proj"}, "does not adapt"),  # a regex of the whole name
+    ({"target_modules": "all-linear"}, "lacks"),
+    ({"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [0]},
+     "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"),
+    ({"target_modules": ["q_proj", "v_proj"], "exclude_modules": ["v_proj"]}, "does not adapt"),
+    ({"target_modules": None}, "target_modules=None: PEFT would take its own default"),
+])
+def test_a_folder_whose_target_modules_disagree_with_its_weights_is_refused(tmp_path, edit, said):
+    model, _, _, _, folder = _folder(tmp_path, edit)
+    said = said.format(weights=folder / "adapter_model.safetensors")
+    with pytest.raises(ConfigError) as caught:
+        load_peft_adapters(str(folder), model)  # before: loaded from the weights alone
+    assert said in str(caught.value) and str(folder / "adapter_config.json") in str(caught.value)
+    assert "Fix:" in str(caught.value)
+
+
+@pytest.mark.parametrize("edit", [
+    {"target_modules": [f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qv"]},
+    {"target_modules": r"model\.layers\.\d+\.self_attn\.(q|v)_proj"},
+    {"target_modules": ["q_proj", "v_proj", "gate_proj"], "exclude_modules": ["gate_proj"]},
+])
+def test_other_spellings_of_the_same_modules_load(tmp_path, edit):
+    model, base, lora, adapters, folder = _folder(tmp_path, edit)
+    lora2, loaded = load_peft_adapters(str(folder), model)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, loaded, adapters)
+
+
+def test_peft_builds_an_edited_folder_from_target_modules(tmp_path):
+    """What the refusal is about: PEFT itself takes target_modules, not the weights (it drops
+    the v_proj adapters without a word), so the folder is two models."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+
+    _, _, _, _, folder = _folder(tmp_path, {"target_modules": ["q_proj"]})
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    peft_model = peft.PeftModel.from_pretrained(hf, str(folder))
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1]
+               for n, _ in peft_model.named_parameters() if ".lora_A" in n}
+    assert adapted == {"q_proj"}
+
+
+@pytest.mark.slow  # a transformers model, a PEFT model and two compilations: ~10 s
+def test_peft_s_regex_and_all_linear_folders_load_as_peft_loads_them(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from hf_reference import randomize
+    from redcoast.models import from_pretrained
+
+    randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))).save_pretrained(
+        str(tmp_path / "base"))
+    model, base = from_pretrained(str(tmp_path / "base"))
+    ids = np.stack([(s + np.arange(12)) % TINY["vocab_size"] for s in (3, 17, 40)])
+    for i, target in enumerate([r".*\.1\.mlp\.(up|down)_proj", "all-linear"]):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
+        peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=3,
+                                                             target_modules=target))
+        torch.manual_seed(i)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.2)
+        folder = tmp_path / f"theirs-{i}"
+        peft_model.save_pretrained(str(folder))
+        with torch.no_grad():
+            theirs = peft_model.eval()(torch.tensor(ids)).logits.float().numpy()
+        lora, loaded = load_peft_adapters(str(folder), model)
+        ours = np.asarray(jax.jit(model.apply)(lora.merge(base, loaded), jnp.asarray(ids)))
+        np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
