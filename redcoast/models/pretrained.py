@@ -91,14 +91,17 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
     Stored tensors the architecture does not use are logged too. A missing parameter outside
     the head, or a tensor whose shape disagrees with the config, is an error.
     """
+    # the small files first: a folder refused for them is refused before its weights are read
+    generation_config = read_generation_config(folder)
+    for name in CHAT_TEMPLATE_FILES:  # ChatTemplate.from_folder reads them by name
+        file_in_folder(folder, name, "the chat template's source")
+    chat_template = ChatTemplate.from_folder(folder)
     model, params = from_reader(hf.read_config(folder), hf.SafetensorsFolder(folder), deployer,
                                 shardings=shardings, param_dtype=param_dtype,
                                 architecture=architecture, fsdp=fsdp,
                                 config_overrides=config_overrides, rng=rng)
-    model.generation_config = read_generation_config(folder)
-    for name in CHAT_TEMPLATE_FILES:  # ChatTemplate.from_folder reads them by name
-        file_in_folder(folder, name, "the chat template's source")
-    model.chat_template = ChatTemplate.from_folder(folder)
+    model.generation_config = generation_config
+    model.chat_template = chat_template
     return model, params
 
 
