@@ -39,6 +39,14 @@ class StepMemory:
                    peak=int(m.argument_size_in_bytes + m.output_size_in_bytes
                             - m.alias_size_in_bytes + m.temp_size_in_bytes))
 
+    @classmethod
+    def refused(cls, refusal, state):
+        """What a compiler that refused the step (a :class:`Refusal`) says one device needed."""
+        params, optimizer = per_device_bytes(state.params), per_device_bytes(state.opt_state)
+        return cls(params=params, optimizer=optimizer,
+                   temporaries=max(0, refusal.needed_bytes - params - optimizer),
+                   peak=refusal.needed_bytes)
+
     def table(self, budget):
         rows = [("parameters", self.params), ("optimizer state", self.optimizer),
                 ("temporaries", self.temporaries), ("peak per device", self.peak),
@@ -46,18 +54,48 @@ class StepMemory:
         return "\n".join(f"  {name:<17}{size(n):>12}" for name, n in rows)
 
 
-# The TPU compiler refuses a step over the device's memory at compile time (no memory analysis
-# comes back): "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: ... the total memory required for
-# HLO temporaries (114.30G) exceeds available HBM (30.75G)" (libtpu 0.0.50, jax 0.12)
-_REFUSAL = re.compile(r"CompileTimeHbmOom.*?HLO temporaries \(([\d.]+)([KMGT])\)", re.S)
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A compiler's refusal of a program too big for the device's memory."""
+    needed_bytes: int   # one device's need as the compiler put it: arguments included
+    available_bytes: int
+    message: str        # the compiler's own words
+
+
+# How each compiler words its refusal at compile time (no memory analysis comes back), as
+# recorded in tests/test_memory_check.py. libtpu's figure for "HLO temporaries" includes the
+# program's arguments (a 64 GiB argument summed alone is refused as "temporaries (64.00G)"), so
+# it is the device's whole need. XLA:GPU (jax 0.10.2, 0.11.2) and XLA:CPU do not refuse: a step
+# over an H100's memory compiles, XLA:GPU warning "Can't reduce memory use below ... by
+# rematerialization", and its memory analysis gives the verdict.
+_REFUSALS = (
+    # libtpu 0.0.42.1 (jax[tpu]==0.10.2): "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total
+    # memory required for HLO temporaries (38.64G) exceeds available HBM (30.75G)."; libtpu
+    # 0.0.50.1 (jax 0.12) the same after "E1000: CompileTimeHbmOom: "
+    re.compile(r"Ran out of memory on HBM, the total memory required for HLO temporaries "
+               r"\((?P<needed>[\d.]+)(?P<unit>[KMGT])\) exceeds available HBM "
+               r"\((?P<available>[\d.]+)(?P<available_unit>[KMGT])\)"),
+    # older libtpu: "Ran out of memory in memory space hbm. Used 49.51G of 15.48G hbm. Exceeded
+    # hbm capacity by 34.03G."
+    re.compile(r"Ran out of memory in memory space hbm\. Used (?P<needed>[\d.]+)(?P<unit>[KMGT]) "
+               r"of (?P<available>[\d.]+)(?P<available_unit>[KMGT]) hbm"),
+)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def refused_temporaries(error):
-    """The temporaries (bytes) a compiler's out-of-memory refusal of a step says it needs, or
-    None when ``error`` is no such refusal."""
-    found = _REFUSAL.search(str(error))
-    return None if found is None else int(float(found.group(1)) * _UNITS[found.group(2)])
+def compiler_refusal(error):
+    """The :class:`Refusal` in ``error`` (a compiler's exception), or None when ``error`` is no
+    refusal for memory."""
+    text = str(error)
+    for wording in _REFUSALS:
+        found = wording.search(text)
+        if found:
+            return Refusal(
+                needed_bytes=int(float(found["needed"]) * _UNITS[found["unit"]]),
+                available_bytes=int(float(found["available"]) * _UNITS[found["available_unit"]]),
+                message=text.strip().splitlines()[0])
+    return None
 
 
 def size(n):

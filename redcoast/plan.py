@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from . import gpu_targets
+
 SEQ2SEQ = ("t5", "bart")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -123,7 +125,8 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     import optax
 
     from .deployer import Deployer
-    from .memory_check import refused_temporaries
+    from .memory_check import compiler_refusal
+    from .throughput import compiled_flops
     from .models.pretrained import model_from_config
     from .trainer import Trainer
 
@@ -164,18 +167,26 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     start = time.perf_counter()
     try:
         compiled = trainer.compile_train_step(batch)
-    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a step over its memory
-        needed = refused_temporaries(e)
-        if needed is None:
-            raise
+    except jax.errors.JaxRuntimeError as e:  # e.g. the TPU compiler refuses a step over its memory
+        refusal = compiler_refusal(e)
+        if refusal is None:
+            raise PlanError(
+                f"{compiler} failed to compile the training step of {config} (dp="
+                f"{deployer.n_data_shards} x mp={shards}, seq {seq_len}, {param_dtype}, "
+                f"{optimizer}{', remat' if remat else ''}{', layers scanned' if scan_layers else ''}): "
+                f"{str(e).strip().splitlines()[0]}. This is the compiler's error, no verdict on "
+                "memory. Fix: report it with this command; --target cpu plans with XLA:CPU "
+                "standing in.") from e
         record.compile_seconds = time.perf_counter() - start
         _hold_state(record, trainer)
-        record.temporary_bytes = needed
-        record.per_device_peak_bytes = record.params_bytes + record.optimizer_bytes + needed
+        # the compiler's figure is the device's whole need, the state's arguments included
+        record.per_device_peak_bytes = refusal.needed_bytes
+        record.temporary_bytes = max(0, refusal.needed_bytes - record.params_bytes
+                                     - record.optimizer_bytes)
         record.layout = (f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
                          f"{trainer.layout.name}")
-        record.compiler = (f"{compiler}: refused the step at compile time (temporaries over the "
-                           "device's memory; the peak shown is the state + those temporaries)")
+        record.compiler = (f"{compiler}: refused the step at compile time (\"{refusal.message}\"; "
+                           "the peak shown is what it said one device needs)")
         return record
     record.compile_seconds = time.perf_counter() - start
     _hold_state(record, trainer)  # as the chosen layout places it
@@ -184,9 +195,8 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
                                        - m.alias_size_in_bytes + m.temp_size_in_bytes)
     record.temporary_bytes = int(m.temp_size_in_bytes)
     record.fits = record.per_device_peak_bytes <= device_memory
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    record.flops_per_device = float(cost.get("flops", 0.0))
+    # XLA:GPU compiling without a GPU gives no cost analysis: 0 there
+    record.flops_per_device = compiled_flops(compiled) or 0.0
     record.layout = (f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
                      f"{trainer.layout.name}")
     record.compiler = compiler
@@ -197,7 +207,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
 _TPU_V4_BOUNDS = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
                   128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
                   2048: (8, 16, 16), 4096: (16, 16, 16)}
-TARGETS = ("cpu", "tpu-v4")
+TARGETS = ("cpu", "tpu-v4") + gpu_targets.names()  # GPUs: redcoast/targets/*.json
 
 
 def _target(target, devices, hosts):
@@ -206,6 +216,8 @@ def _target(target, devices, hosts):
     if target == "cpu":
         return None, (f"XLA:CPU on {devices} simulated devices (jax {jax.__version__}), standing "
                       "in for the target's compiler")
+    if target in gpu_targets.names():  # XLA:GPU, through JAX's CUDA plugin
+        return gpu_targets.compile_only_devices(target, devices, hosts, jax.__version__)
     if target != "tpu-v4":
         raise PlanError(f"target {target!r}: use one of {TARGETS}")
     if devices not in _TPU_V4_BOUNDS or devices // 4 != hosts:

@@ -9,7 +9,7 @@ import jax
 
 from .flops import traced_flops
 from .host import to_host
-from .memory_check import StepMemory, per_device_bytes, refused_temporaries, require_fits
+from .memory_check import StepMemory, compiler_refusal, require_fits
 from .sharding.context import tracing_for
 from .throughput import StepCost, peak_flops, tokens_per_example
 
@@ -99,11 +99,10 @@ class StepMeter:
         try:
             compiled = self._compiled(state, batch, key)
         except jax.errors.JaxRuntimeError as e:  # a TPU compiler refuses a step too big
-            needed = refused_temporaries(e)
-            if needed is None:
+            refusal = compiler_refusal(e)
+            if refusal is None:
                 raise
-            params, optimizer = per_device_bytes(state.params), per_device_bytes(state.opt_state)
-            require_fits(StepMemory(params, optimizer, needed, params + optimizer + needed),
-                         budget, name, source + "; the compiler refused the step")
+            require_fits(StepMemory.refused(refusal, state), budget, name,
+                         source + "; the compiler refused the step")
             raise
         require_fits(StepMemory.of(compiled, state), budget, name, source)

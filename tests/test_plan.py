@@ -164,7 +164,8 @@ def test_a_trainer_for_a_tpu_slice_compiles_but_will_not_hold_parameters_here():
                       lambda rng, state, params, batch, is_training: model.apply(params, batch["ids"]).mean(),
                       abstract, optax.adamw(1e-3))
     compiled = trainer.compile_train_step({"ids": jax.ShapeDtypeStruct((2, 16), "int32")})
-    assert compiled.memory_analysis().temp_size_in_bytes > 0
+    # the state's arguments: libtpu 0.0.42.1 (jax 0.10) reports no temporaries for this step
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
     assert {d.platform for d in trainer.mesh.devices.flat} == {"tpu"}
     with pytest.raises(ConfigError, match="compile-only target"):
         trainer.set_params(jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), abstract))

@@ -1,0 +1,141 @@
+"""redcoast plan's targets: NVIDIA GPUs compiled for by the GPU compiler with no GPU here, and a
+compiler's refusal of a step as a verdict, whatever the compiler and its wording."""
+
+import importlib.metadata
+import json
+
+import jax
+import pytest
+
+from redcoast import gpu_targets
+from redcoast.plan import TARGETS, PlanError, plan
+from test_memory_check import TPU_REFUSAL_LIBTPU_0_0_42, TPU_REFUSAL_USED_OF
+from test_plan import TINY
+
+GIB = 2**30
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def _cuda_plugin():
+    for package in gpu_targets.CUDA_PLUGINS:
+        try:
+            return importlib.metadata.version(package) == jax.__version__
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
+
+
+needs_cuda_plugin = pytest.mark.skipif(
+    not _cuda_plugin(), reason="JAX's CUDA plugin is not installed (CI's steps 1 and 2 install "
+    "jax[cuda12] in a separate environment and run these tests there, slow ones included)")
+
+
+# each GPU's marketed memory and compute capability (NVIDIA's data sheets)
+GPUS = {"h100": (80, (9, 0), "H100"), "h200": (141, (9, 0), "H200"),
+        "a100": (80, (8, 0), "A100"), "a100-40gb": (40, (8, 0), "A100")}
+
+
+def test_each_gpu_target_is_described_with_where_each_number_comes_from():
+    assert set(gpu_targets.names()) == set(GPUS) and set(GPUS) <= set(TARGETS)
+    for name, (gb, capability, model) in GPUS.items():
+        desc = gpu_targets.description(name)
+        info = desc["gpu_device_info"]
+        assert set(desc["sources"]) == set(info) | {"device_kind", "dnn_version_info"}, name
+        assert all(desc["sources"].values()), name
+        # "80 GB" are GiB of HBM; the driver reports them less what it reserves (under 1 GiB)
+        assert (gb - 1) * GIB < gpu_targets.device_memory_bytes(name) <= gb * GIB, name
+        cc = info["cuda_compute_capability"]
+        assert (cc["major"], cc["minor"]) == capability and model in desc["device_kind"]
+        text = gpu_targets.target_config_text(desc)
+        assert f"device_memory_size: {info['device_memory_size']}\n" in text
+        assert f"cuda_compute_capability {{\n    major: {capability[0]}\n" in text
+        assert text.count("{") == text.count("}") == 3
+        assert f'device_description_str: "{desc["device_kind"]}"' in text
+
+
+def test_a_gpu_target_without_the_cuda_plugin_says_what_to_install(tiny_config, monkeypatch):
+    installed = importlib.metadata.version
+
+    def without_plugins(name):
+        if name in gpu_targets.CUDA_PLUGINS:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed(name)
+    monkeypatch.setattr(importlib.metadata, "version", without_plugins)
+    with pytest.raises(PlanError, match=rf"pip install 'jax\[cuda12\]=={jax.__version__}' \(or "
+                                        rf"'jax\[cuda13\]=={jax.__version__}'.*--target cpu"):
+        plan(tiny_config, devices=8, hosts=1, device_memory="80GiB", seq_len=32, target="h100")
+    # a plugin of another jax is no plugin for this one
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name ==
+                        "jax-cuda12-plugin" else without_plugins(name))
+    with pytest.raises(PlanError, match=r"found jax-cuda12-plugin 0\.0\.1"):
+        plan(tiny_config, devices=8, hosts=1, device_memory="80GiB", seq_len=32, target="h100")
+
+
+def test_a_gpu_server_holds_at_most_8_gpus_a_host(tiny_config):
+    with pytest.raises(PlanError, match=r"1 to 8 GPUs.*--devices 16 --hosts 2"):
+        plan(tiny_config, devices=16, hosts=1, device_memory="80GiB", seq_len=32, target="h100")
+
+
+@pytest.mark.slow  # 18 s: the same step compiled by XLA:GPU and XLA:CPU
+@needs_cuda_plugin
+def test_a_gpu_server_is_planned_by_the_gpu_compiler_without_a_gpu(tiny_config):
+    """8 H100s on 2 hosts described to XLA:GPU: the CPU stand-in's layout and state, the GPU
+    compiler's memory."""
+    gpu = plan(tiny_config, devices=8, hosts=2, device_memory="80GiB", seq_len=32, target="h100")
+    cpu = plan(tiny_config, devices=8, hosts=2, device_memory="80GiB", seq_len=32)
+    assert gpu.compiler.startswith("the GPU compiler (XLA:GPU through jax-cuda")
+    assert "8 x NVIDIA H100 80GB HBM3 (4 a host, compute capability 9.0)" in gpu.compiler
+    assert gpu.layout == cpu.layout and gpu.layout.startswith("dp=2 x mp=4")
+    assert (gpu.params_bytes, gpu.optimizer_bytes) == (cpu.params_bytes, cpu.optimizer_bytes)
+    assert gpu.per_device_peak_bytes >= gpu.params_bytes + gpu.optimizer_bytes
+    assert gpu.fits and gpu.temporary_bytes > 0 and gpu.compile_seconds > 0
+
+
+@pytest.mark.slow  # 16 s: compiled twice by XLA:GPU
+@needs_cuda_plugin
+def test_a_step_over_a_gpus_memory_compiles_and_is_retried_with_remat(tiny_config):
+    """XLA:GPU does not refuse a step too big (it warns and compiles): its memory analysis is
+    the verdict, then the retry with remat (which fits this tiny model's step here)."""
+    record = plan(tiny_config, devices=8, hosts=1, device_memory=400_000, seq_len=64,
+                  target="a100-40gb")
+    assert "8 x NVIDIA A100-SXM4-40GB (8 a host, compute capability 8.0)" in record.compiler
+    assert record.tried[0][0] == "without remat" and record.tried[0][1] > 400_000
+    assert record.remat and record.per_device_peak_bytes < record.tried[0][1]
+    assert record.fits == (record.per_device_peak_bytes <= 400_000)
+
+
+def test_a_compilers_refusal_is_does_not_fit_with_the_bytes_it_asked_for_then_remat(
+        tiny_config, monkeypatch):
+    """Each try refused (old libtpu's wording, then jax 0.10's libtpu's): no crash, the verdict
+    with what the compiler said one device needs, the retry with remat, what would fit."""
+    from redcoast.trainer import Trainer
+    refusals = [TPU_REFUSAL_USED_OF, TPU_REFUSAL_LIBTPU_0_0_42]
+
+    def refuse(self, batch):
+        raise jax.errors.JaxRuntimeError(refusals.pop(0))
+    monkeypatch.setattr(Trainer, "compile_train_step", refuse)
+    record = plan(tiny_config, devices=8, hosts=2, device_memory="30GiB", seq_len=32)
+    # the whole need as the compiler said it (the state's arguments included), not state + it
+    assert record.tried == [("without remat", int(49.34 * GIB))]
+    assert record.remat and not record.fits and record.per_device_peak_bytes == int(38.64 * GIB)
+    assert record.temporary_bytes == int(38.64 * GIB) - record.params_bytes - record.optimizer_bytes
+    assert "refused the step" in record.compiler and "(38.64G)" in record.compiler
+    assert record.suggestions and not refusals
+
+
+def test_any_other_compiler_error_is_named_with_the_config_and_target(tiny_config, monkeypatch):
+    from redcoast.trainer import Trainer
+
+    def fail(self, batch):
+        raise jax.errors.JaxRuntimeError("INTERNAL: ptxas exited with non-zero error code 65280")
+    monkeypatch.setattr(Trainer, "compile_train_step", fail)
+    with pytest.raises(PlanError, match=r"(?s)XLA:CPU on 8 simulated devices .* failed to compile "
+                       rf"the training step of {tiny_config} \(dp=2 x mp=4, seq 32.*ptxas exited"
+                       r".*no verdict on memory"):
+        plan(tiny_config, devices=8, hosts=2, device_memory="30GiB", seq_len=32)
