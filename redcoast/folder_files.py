@@ -8,6 +8,7 @@ One layout leads out by design and is kept working: Hugging Face's hub cache, wh
 ``snapshots/<revision>/`` files link into the same repository's ``blobs/``.
 """
 
+import json
 import os
 
 from .errors import ConfigError
@@ -51,3 +52,16 @@ def _hub_blobs(root):
         if parent == head:
             return []
         head = parent
+
+
+def read_json_object(path, fix):
+    """The JSON object (a dict) in the file ``path``, or a ConfigError naming it and ``fix``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read as JSON ({e}). Fix: {fix}.") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object of "
+                          f"settings. Fix: {fix}.")
+    return value

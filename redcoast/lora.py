@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 
 from .errors import ConfigError
 from .export import SEPARATOR, save_params
+from .folder_files import file_in_folder, read_json_object
 from .validate import tree_keys
 
 # Attention query and value projections of redcoast.models (Llama/OPT q_proj, v_proj; BERT
@@ -299,18 +300,22 @@ def save_adapters(lora, adapters, directory):
 def load_adapters(directory):
     """``(lora, adapters)`` from a folder written by :func:`save_adapters` (numpy arrays;
     ``lora.merge`` or the Trainer places them)."""
-    config_path = os.path.join(directory, CONFIG_FILE)
+    config_path = file_in_folder(directory, CONFIG_FILE, "the adapters' config")
     if not os.path.exists(config_path):
         raise ConfigError(f"{directory} has no {CONFIG_FILE}. Fix: pass a folder written by "
                           "redcoast.lora.save_adapters.")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = read_json_object(config_path, "save the adapters again (save_adapters)")
     if config.get("format") != FORMAT:
         raise ConfigError(f"{config_path} is of format {config.get('format')!r}, not {FORMAT!r}. "
                           "Fix: pass a folder written by redcoast.lora.save_adapters.")
-    tensors = read_safetensors(os.path.join(directory, WEIGHTS_FILE),
+    missing = [k for k in ("rank", "alpha", "in_dims", "stack_dims", "kernels") if k not in config]
+    kernels = config.get("kernels")
+    if missing or not (isinstance(kernels, list) and all(isinstance(k, list) for k in kernels)):
+        raise ConfigError(f"{config_path} lacks {missing or 'kernels as lists of keys'}, which "
+                          "save_adapters writes. Fix: save the adapters again (save_adapters).")
+    tensors = read_safetensors(file_in_folder(directory, WEIGHTS_FILE, "the adapters' weights"),
                                "save the adapters again (save_adapters)")
-    targets = config["targets"]
+    targets = config.get("targets")
     lora = LoRA(rank=config["rank"], alpha=config["alpha"], in_dims=config["in_dims"],
                 stack_dims=config["stack_dims"],
                 targets=tuple(targets) if isinstance(targets, list) else targets or DEFAULT_TARGETS)

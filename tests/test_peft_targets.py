@@ -3,6 +3,7 @@ target_modules adapts, by PEFT's own matching rules (checked against the install
 folder whose weights hold other modules is refused naming the tensors (issue 48, case 7)."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,37 @@ def test_peft_s_regex_and_all_linear_folders_load_as_peft_loads_them(tmp_path):
         lora, loaded = load_peft_adapters(str(folder), model)
         ours = np.asarray(jax.jit(model.apply)(lora.merge(base, loaded), jnp.asarray(ids)))
         np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_config_files_that_are_no_settings_are_named(tmp_path):
+    from redcoast import load_adapters, save_adapters
+
+    model, _, lora, adapters, folder = _folder(tmp_path, {})
+    (folder / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="adapter_config.json cannot be read as JSON"):
+        load_peft_adapters(str(folder), model)
+    for edit, said in (({"r": "2"}, "r='2'; the rank is a positive integer"),
+                       ({"lora_alpha": None}, "lora_alpha=None; it is a number"),
+                       ({"target_modules": "embed_tokens"}, "adapts no linear layer")):
+        _, _, _, _, folder = _folder(tmp_path / str(len(said)), edit)
+        if "adapts no" in said:  # and weights that hold nothing either
+            from safetensors.numpy import save_file
+            save_file({}, str(folder / "adapter_model.safetensors"))
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load_peft_adapters(str(folder), model)
+    # left out, lora_alpha is PEFT's default (8), as LoraConfig reads the file
+    _, _, _, _, folder = _folder(tmp_path / "alpha", {})
+    config = json.loads((folder / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert load_peft_adapters(str(folder), model)[0].scale == 8 / 2
+
+    save_adapters(lora, adapters, str(tmp_path / "ours"))
+    config = json.loads((tmp_path / "ours" / "lora_config.json").read_text())
+    del config["kernels"]
+    (tmp_path / "ours" / "lora_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=re.escape("lora_config.json lacks ['kernels']")):
+        load_adapters(str(tmp_path / "ours"))  # before: KeyError: 'kernels'
+    (tmp_path / "ours" / "lora_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds a JSON list, not an object"):
+        load_adapters(str(tmp_path / "ours"))

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..lora import LoRA, _check_pairs, _get, _set, adapter_paths, path_str, read_safetensors
 from ..tensor_files import Deferred, entry, host_array, write_safetensors
-from ..folder_files import file_in_folder
+from ..folder_files import file_in_folder, read_json_object
 from .peft_targets import check_targets
 from .pretrained import family_of
 
@@ -135,6 +135,18 @@ def _as_torch_linear(tensor, keep_first):
     return Deferred(flat[::-1], np.dtype(tensor.dtype), fetch)
 
 
+def _rank_and_alpha(config, path):
+    """``r`` and ``lora_alpha`` as PEFT's LoraConfig takes them (8 and 8 where left out)."""
+    rank, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"{path} has r={rank!r}; the rank is a positive integer. Fix: set r to "
+                          "the adapters' rank (lora_A's first dimension).")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ConfigError(f"{path} has lora_alpha={alpha!r}; it is a number (the update is "
+                          "scaled by lora_alpha / r). Fix: set it to the alpha trained with.")
+    return rank, float(alpha)
+
+
 def load_peft_adapters(folder, model, params=None):
     """``(lora, adapters)`` from a PEFT LoRA folder for ``model``: adapters in redcoast's layout
     (numpy), for ``lora.merge(params, adapters)`` or a Trainer. ``params`` (the base, optional)
@@ -143,8 +155,7 @@ def load_peft_adapters(folder, model, params=None):
     if not os.path.exists(path):
         raise ConfigError(f"{folder} has no {CONFIG_FILE}. Fix: pass a folder PEFT wrote "
                           "(peft_model.save_pretrained) or save_peft_adapters did.")
-    with open(path) as f:
-        config = json.load(f)
+    config = read_json_object(path, "save the PEFT adapters again (peft_model.save_pretrained)")
     unsupported = [f"{k}={config[k]!r}" for k in ("use_dora", "rank_pattern", "alpha_pattern",
                                                   "modules_to_save", "lora_bias",
                                                   "target_parameters")
@@ -158,8 +169,7 @@ def load_peft_adapters(folder, model, params=None):
                           "represent (one rank and alpha for every kernel, plain A @ B updates, "
                           "no trained biases or whole modules). Fix: train the adapters without "
                           "those options.")
-    rank = int(config["r"])
-    alpha = float(config["lora_alpha"])
+    rank, alpha = _rank_and_alpha(config, path)
     if config.get("use_rslora"):  # scale alpha / sqrt(r): the same as alpha * sqrt(r) / r
         alpha *= math.sqrt(rank)
     weights_path = file_in_folder(folder, WEIGHTS_FILE, "the PEFT adapter's weights")

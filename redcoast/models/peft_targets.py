@@ -53,6 +53,10 @@ def check_targets(config, modules, held, weights_file, config_file):
                           "weights hold. Fix: set target_modules to the adapted modules' names "
                           '(e.g. ["q_proj", "v_proj"]), as peft_model.save_pretrained writes it.')
     wanted = set(targeted(config, modules))
+    if not wanted and not held:
+        raise ConfigError(f"{config_file}'s target_modules={targets!r} adapts no linear layer of "
+                          "the model and its weights hold none: PEFT refuses such a folder. Fix: "
+                          "load adapters trained for this model.")
     extra = sorted(set(held) - wanted)
     missing = sorted(wanted - set(held))
     if not (extra or missing):
