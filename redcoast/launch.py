@@ -37,6 +37,8 @@ import threading
 import time
 
 from . import distributed
+from .cli_args import positive_int, seconds
+from .simulate import MAX_SIMULATED_DEVICES
 
 POLL_S = 0.05
 TAIL_LINES = 30
@@ -47,6 +49,10 @@ EARLY_EXIT_FIX = ("every process must run the script to its end (no sys.exit / r
                   "processes only); to stop a run early, raise an error or stop all processes.")
 _FORCE_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
 _LINE_END = re.compile(rb"[\r\n]")
+# The most processes started unasked (--allow-many for more): each is a Python process starting
+# JAX (about 0.3 GB and a second or two of a core); one machine's run needs one per GPU or a few
+# simulated hosts.
+MAX_PROCESSES = 64
 
 
 def main(argv=None):
@@ -66,7 +72,8 @@ def cli(argv=None):
               "Commands:\n  launch   start N processes of one run on this machine "
               "(redcoast launch --help)\n  plan     the layout and memory per device of a "
               "training run on hardware you do not have (redcoast plan --help)\n  train    "
-              "fine-tune a model as a YAML file says (redcoast train --help)")
+              "fine-tune a model as a YAML file says (redcoast train --help)",
+              file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] == "--version":
         from . import __version__
@@ -92,27 +99,31 @@ def _parser():
         description="Start N processes of one redcoast (jax.distributed) run on this machine. "
                     "The script is unchanged: Deployer() finds its process count, id and "
                     "coordinator from the REDCOAST_* variables set for each process.")
-    parser.add_argument("-n", "--n-processes", type=int, required=True, metavar="N",
+    parser.add_argument("-n", "--n-processes", type=positive_int, required=True, metavar="N",
                         help="number of processes to start")
-    parser.add_argument("--local-devices", type=int, metavar="K",
+    parser.add_argument("--local-devices", type=positive_int, metavar="K",
                         help="devices per process: K simulated CPU devices on CPU; on GPUs, "
                              "process i drives GPUs i*K .. i*K+K-1")
     parser.add_argument("--port", type=_port, help="coordinator port (default: a free one)")
     parser.add_argument("--host0-address", default="127.0.0.1",
                         help="coordinator address (default 127.0.0.1)")
-    parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
+    parser.add_argument("--grace-period", type=seconds, default=5.0, metavar="S",
                         help="seconds the other processes get to exit after one fails, before "
                              "SIGKILL (default 5)")
-    parser.add_argument("--stall-timeout", type=float, default=1800.0, metavar="S",
+    parser.add_argument("--stall-timeout", type=seconds, default=1800.0, metavar="S",
                         help="end the launch when a process has printed nothing and touched "
                              "no heartbeat for S seconds (redcoast's loops touch it every "
                              "batch; default 1800; 0: never)")
-    parser.add_argument("--exit-timeout", type=float, default=60.0, metavar="S",
+    parser.add_argument("--exit-timeout", type=seconds, default=60.0, metavar="S",
                         help="end the launch when a process exited with status 0 and the others "
                              "are still running S seconds later (default 60)")
-    parser.add_argument("--stop-timeout", type=float, default=120.0, metavar="S",
+    parser.add_argument("--stop-timeout", type=seconds, default=120.0, metavar="S",
                         help="seconds the processes get to save and exit after a SIGINT or "
                              "SIGTERM forwarded to them, before SIGKILL (default 120)")
+    parser.add_argument("--allow-many", action="store_true",
+                        help=f"start more than {MAX_PROCESSES} processes, or more than "
+                             f"{MAX_SIMULATED_DEVICES} devices in all (slow: see the error "
+                             "without it)")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
     return parser
 
@@ -153,10 +164,9 @@ def parse_args(argv):
     options = parser.parse_args(own)
     if options.module is None and not rest:
         parser.error("no script given. Fix: redcoast launch -n N script.py [args], or -m module.")
-    if options.n_processes < 1:
-        parser.error(f"-n {options.n_processes}: the number of processes must be at least 1.")
-    if options.local_devices is not None and options.local_devices < 1:
-        parser.error(f"--local-devices {options.local_devices}: it must be at least 1.")
+    too_many = _too_many(options.n_processes, options.local_devices or 1)
+    if too_many and not options.allow_many:
+        parser.error(f"{too_many}. Fix: fewer, or --allow-many to start them all the same.")
     if options.module is not None:
         command = [sys.executable, "-u", "-m", options.module] + rest
     else:
@@ -164,6 +174,22 @@ def parse_args(argv):
             parser.error(f"script {rest[0]!r} not found. Fix: give the path of a Python script.")
         command = [sys.executable, "-u"] + rest
     return options, command
+
+
+def _too_many(n, local_devices):
+    """Why ``n`` processes of ``local_devices`` devices each are more than this machine should
+    start unasked; None when they are not."""
+    if n > MAX_PROCESSES:
+        return (f"-n {n}: {n} processes on this machine, more than the {MAX_PROCESSES} started "
+                "unasked; each is a Python process starting JAX (about 0.3 GB of memory and a "
+                "second or two of a core)")
+    if n * local_devices > MAX_SIMULATED_DEVICES:
+        return (f"-n {n} --local-devices {local_devices}: {n * local_devices} devices in all (on "
+                f"CPUs, {local_devices} simulated in each process), more than the "
+                f"{MAX_SIMULATED_DEVICES} started unasked; JAX's start and a run's collectives slow "
+                "down with the count (one process took over 200 s to start 16384 simulated "
+                "devices)")
+    return None
 
 
 def heartbeat():
@@ -355,6 +381,9 @@ class Launcher:
             return 2
         port = o.port or free_port(o.host0_address if o.host0_address != "localhost" else "127.0.0.1")
         width = len(str(n - 1))
+        too_many = _too_many(n, o.local_devices or 1)
+        if too_many:  # allowed (--allow-many), said all the same
+            self.log(f"warning: {too_many}; --allow-many: starting them, slowly.")
         self.log(f"starting {n} process(es), coordinator {o.host0_address}:{port}"
                  + (f", {o.local_devices} device(s) each" if o.local_devices else "")
                  + f": {' '.join(self.command[2:])}")

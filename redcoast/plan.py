@@ -93,11 +93,21 @@ class PlanRecord:
 
 
 def parse_bytes(text):
-    """'40GiB', '32 GB', '1e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise PlanError(f"not a size: {text!r} (e.g. 40GiB, 32GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'40GiB', '32 GB', '1.5e3MiB', '400000B' -> bytes: a finite number of at least one byte,
+    and its unit (a bare number could mean bytes or gigabytes)."""
+    m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)(?:[eE]([+-]?\d+))?\s*([a-zA-Z]*)\s*", str(text))
+    units = "B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+    if not m:
+        raise PlanError(f"not a size: {text!r}. Fix: a number and a unit, e.g. 40GiB or 32GB.")
+    number, exponent, unit = m.groups()
+    if not unit or unit.lower() not in _UNITS:
+        raise PlanError(f"{text!r} has {f'the unit {unit!r}' if unit else 'no unit'}. Fix: a "
+                        f"number and one of {units}, e.g. 40GiB or 32GB.")
+    size = float(f"{number}e{exponent or 0}") * _UNITS[unit.lower()]  # 1e400: inf, not an error
+    if not math.isfinite(size) or size < 1:
+        raise PlanError(f"{text!r} is {'not a finite size' if size >= 1 else 'less than a byte'}"
+                        ". Fix: a device's memory, e.g. 40GiB or 32GB.")
+    return int(size)
 
 
 def _loss_for(model, model_type):
@@ -314,11 +324,25 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
     so that the compiler sees one layer (Llama, OPT and T5 families; the run must use the same
     setting).
 
-    For "cpu", runs in a fresh process when this one does not have ``devices`` CPU devices."""
-    device_memory = parse_bytes(device_memory) if isinstance(device_memory, str) else int(device_memory)
+    For "cpu", runs in a fresh process when this one does not have ``devices`` CPU devices
+    (at most MAX_SIMULATED_DEVICES there; simulate more in this process first). Every argument
+    is checked first: a :class:`PlanError` (or, for the config file,
+    :class:`~redcoast.errors.ConfigError`) names the one at fault and the fix."""
+    if isinstance(device_memory, str):
+        device_memory = parse_bytes(device_memory)
+    elif isinstance(device_memory, float) and math.isfinite(device_memory):
+        device_memory = int(device_memory)
+    _check_request(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
+                   param_dtype, optimizer, model_shards)
     import jax
     # simulated CPU devices must be this process's own; a TPU slice's are described, any process
     if target == "cpu" and (jax.device_count() != devices or jax.devices()[0].platform != "cpu"):
+        from .simulate import MAX_SIMULATED_DEVICES, simulation_cost
+        if devices > MAX_SIMULATED_DEVICES:
+            raise PlanError(f"devices={devices}: planning them would start {simulation_cost(devices)}. "
+                            f"Fix: at most {MAX_SIMULATED_DEVICES} devices, `redcoast plan "
+                            "--allow-many`, or simulate_cpu_devices(devices) in this process "
+                            "before JAX starts, then plan().")
         return _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
                               param_dtype, optimizer, model_shards, remat, target, scan_layers)
     args = (config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
@@ -334,12 +358,44 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
     return record
 
 
+def _check_request(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
+                   param_dtype, optimizer, model_shards):
+    """A :class:`PlanError` for a plan that cannot be asked (no compiling yet); a ConfigError
+    naming the file and the field for a config.json redcoast cannot build a model from."""
+    counts = {"devices": devices, "hosts": hosts, "seq_len": seq_len,
+              "per_device_batch_size": per_device_batch_size, "model_shards": model_shards,
+              "device_memory": device_memory}
+    for name, value in counts.items():
+        if value is None and name == "model_shards":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"{name}={value!r}: it must be a whole number, at least 1. Fix: "
+                            + ("a size like '40GiB' or a number of bytes." if name == "device_memory"
+                               else "a positive count."))
+    if devices % hosts:
+        raise PlanError(f"devices={devices} on hosts={hosts}: every host holds as many devices, "
+                        f"so the devices must be a multiple of the hosts. Fix: e.g. devices="
+                        f"{hosts * max(1, devices // hosts)} or hosts=1.")
+    if model_shards is not None and devices % model_shards:
+        raise PlanError(f"model_shards={model_shards} does not divide devices={devices}: the "
+                        "devices form a grid of data x model shards. Fix: a divisor of the "
+                        f"devices, e.g. model_shards={math.gcd(model_shards, devices)}, or leave "
+                        "it out (the devices of one host).")
+    choices = {"param_dtype": (param_dtype, ("float32", "bfloat16")),
+               "optimizer": (optimizer, ("adamw", "adafactor", "sgd"))}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise PlanError(f"{name}={value!r}. Fix: one of {allowed}.")
+    from .config_file import read_model_config
+    read_model_config(config)
+
+
 def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
                    param_dtype, optimizer, model_shards, remat, target, scan_layers):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         command = [sys.executable, "-m", "redcoast", "plan", str(config), "--devices", str(devices),
-                   "--hosts", str(hosts), "--device-memory", str(device_memory), "--seq-len",
+                   "--hosts", str(hosts), "--device-memory", f"{device_memory}B", "--seq-len",
                    str(seq_len), "--per-device-batch-size", str(per_device_batch_size),
                    "--param-dtype", param_dtype, "--optimizer", optimizer, "--target", target,
                    "--json", out, "--quiet"]
@@ -359,19 +415,26 @@ def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_ba
 
 
 def main(argv):
+    """``redcoast plan ...``: every argument, and the config file, checked before any work."""
+    from .cli_args import positive_int
+    from .errors import ConfigError
+    from .simulate import MAX_SIMULATED_DEVICES, simulation_cost
     parser = argparse.ArgumentParser(
         prog="redcoast plan", description="Plan a training run for hardware you do not have: "
         "the layout, the memory per device, FITS or DOES NOT FIT.")
     parser.add_argument("config", help="a Hugging Face config.json, or a folder holding one")
-    parser.add_argument("--devices", type=int, required=True, help="devices in all")
-    parser.add_argument("--hosts", type=int, default=1)
-    parser.add_argument("--device-memory", required=True, help="per device, e.g. 40GiB")
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--per-device-batch-size", type=int, default=1,
+    parser.add_argument("--devices", type=positive_int, required=True, help="devices in all")
+    parser.add_argument("--hosts", type=positive_int, default=1,
+                        help="hosts the devices are on, as many on each (default 1)")
+    parser.add_argument("--device-memory", type=_size, required=True,
+                        help="per device, a number and a unit: e.g. 40GiB, 32GB")
+    parser.add_argument("--seq-len", type=positive_int, required=True)
+    parser.add_argument("--per-device-batch-size", type=positive_int, default=1,
                         help="examples per data shard (default 1)")
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor", "sgd"])
-    parser.add_argument("--model-shards", type=int, help="default: the devices of one host")
+    parser.add_argument("--model-shards", type=positive_int,
+                        help="a divisor of --devices; default: the devices of one host")
     parser.add_argument("--remat", action="store_true", default=None,
                         help="each layer rematerialised (default: tried if the step does not fit)")
     parser.add_argument("--no-remat", dest="remat", action="store_false")
@@ -382,23 +445,50 @@ def main(argv):
                         help="whose compiler gives the memory: 'cpu' (default) simulated CPU "
                         "devices standing in; 'tpu-v4' the TPU compiler for a v4 slice (needs "
                         "libtpu: pip install 'jax[tpu]'; no TPU needed)")
+    parser.add_argument("--allow-many", action="store_true",
+                        help=f"with --target cpu, simulate more than {MAX_SIMULATED_DEVICES} "
+                        "devices (slow: see the error without it)")
     parser.add_argument("--json", help="also write the record here")
     parser.add_argument("--quiet", action="store_true", help="print nothing")
     args = parser.parse_args(argv)
     if args.devices % args.hosts:
-        parser.error(f"--devices {args.devices} is not a multiple of --hosts {args.hosts}")
+        parser.error(f"--devices {args.devices} is not a multiple of --hosts {args.hosts}: every "
+                     "host holds as many devices. Fix: e.g. --devices "
+                     f"{args.hosts * max(1, args.devices // args.hosts)} --hosts {args.hosts}.")
+    if args.model_shards is not None and args.devices % args.model_shards:
+        parser.error(f"--model-shards {args.model_shards} does not divide --devices "
+                     f"{args.devices} (the devices form a grid of data x model shards). Fix: a "
+                     "divisor of --devices, or leave it out (the devices of one host).")
+    if args.target == "cpu" and args.devices > MAX_SIMULATED_DEVICES:
+        if not args.allow_many:
+            parser.error(f"--devices {args.devices} with --target cpu would start "
+                         f"{simulation_cost(args.devices)}. Fix: at most "
+                         f"{MAX_SIMULATED_DEVICES} devices, a target compiled for without "
+                         "simulating its devices (--target tpu-v4, or a GPU such as --target "
+                         "h100), or --allow-many to simulate them all the same.")
+        print(f"redcoast plan: warning: {simulation_cost(args.devices)}; --allow-many: "
+              "simulating them, slowly.", file=sys.stderr, flush=True)
+    from .config_file import read_model_config
+    try:
+        read_model_config(args.config)  # before JAX starts: its errors name the file and field
+    except ConfigError as e:
+        parser.error(str(e))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.target == "cpu":
+        import warnings
+
         from .simulate import simulate_cpu_devices
-        simulate_cpu_devices(args.devices)  # before JAX starts its backend
+        with warnings.catch_warnings():  # said above
+            warnings.simplefilter("ignore")
+            simulate_cpu_devices(args.devices)  # before JAX starts its backend
     try:
         record = plan(args.config, devices=args.devices, hosts=args.hosts,
-                      device_memory=parse_bytes(args.device_memory), seq_len=args.seq_len,
+                      device_memory=args.device_memory, seq_len=args.seq_len,
                       per_device_batch_size=args.per_device_batch_size,
                       param_dtype=args.param_dtype, optimizer=args.optimizer,
                       model_shards=args.model_shards, remat=args.remat, target=args.target,
                       scan_layers=args.scan_layers)
-    except PlanError as e:
+    except (PlanError, ConfigError) as e:
         parser.error(str(e))
     if args.json:
         with open(args.json, "w") as f:
@@ -406,3 +496,11 @@ def main(argv):
     if not args.quiet:
         print(record.table())
     return 0
+
+
+def _size(text):
+    """``--device-memory``: bytes, or argparse's usage error naming the flag."""
+    try:
+        return parse_bytes(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -168,6 +168,34 @@ def test_command_line(tmp_path, capsys):
     assert describe_exit(3) == "exited with code 3"
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["-n", "x"], "argument -n/--n-processes: 'x' is not a positive integer"),
+    (["-n", "2", "--local-devices", "0"], "argument --local-devices: '0' is not a positive integer"),
+    (["-n", "2", "--stall-timeout", "-1"], "argument --stall-timeout: '-1' is not a number of seconds"),
+    (["-n", "2", "--grace-period", "nan"], "argument --grace-period: 'nan' is not a number of seconds"),
+    (["-n", "2", "--exit-timeout", "soon"], "argument --exit-timeout: 'soon'"),
+    (["-n", "2", "--local-devices", "100000"],
+     "-n 2 --local-devices 100000: 200000 devices in all (on CPUs, 100000 simulated in each"),
+    (["-n", "100000"], "-n 100000: 100000 processes on this machine, more than the 64"),
+])
+def test_launch_arguments_are_refused_before_anything_starts(tmp_path, capsys, flags, needle):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags + [str(script)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+    if "more than" in needle:  # asked for: allowed, and said when the launch starts
+        options, _ = parse_args(flags[:-2] + ["--allow-many"] + flags[-2:] + [str(script)])
+        assert options.allow_many
+
+
+def test_redcoast_without_a_command_prints_its_usage_as_an_error(capsys):
+    assert cli([]) == 2
+    out = capsys.readouterr()
+    assert "usage: redcoast launch" in out.err and not out.out
+
+
 # -- the output relay ------------------------------------------------------------------------
 
 def relay(data, **kwargs):

@@ -169,3 +169,113 @@ def test_a_trainer_for_a_tpu_slice_compiles_but_will_not_hold_parameters_here():
     assert {d.platform for d in trainer.mesh.devices.flat} == {"tpu"}
     with pytest.raises(ConfigError, match="compile-only target"):
         trainer.set_params(jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), abstract))
+
+
+# -- arguments checked before any work (issue 48, case 6) -----------------------------------------
+
+def test_a_size_is_a_finite_number_with_a_unit():
+    assert parse_bytes("1.5e3MiB") == 1500 * 2**20 and parse_bytes("400000B") == 400_000
+    assert parse_bytes(" 2 TiB ") == 2 * 2**40
+    for text, needle in [("eGiB", "not a size"), ("1e400GiB", "not a finite size"),
+                         ("40", "has no unit"), ("40 parsecs", "the unit 'parsecs'"),
+                         ("0GiB", "less than a byte"), ("0.5B", "less than a byte"),
+                         ("-1GiB", "not a size"), ("nanGiB", "not a size")]:
+        with pytest.raises(PlanError, match="Fix") as e:
+            parse_bytes(text)
+        assert needle in str(e.value), text
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Planning, or simulating devices, fails the test: the arguments must be refused first."""
+    import redcoast.plan
+    import redcoast.simulate
+
+    def work(*args, **kwargs):
+        raise AssertionError("work started before the arguments were refused")
+    monkeypatch.setattr(redcoast.plan, "plan", work)
+    monkeypatch.setattr(redcoast.simulate, "simulate_cpu_devices", work)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+
+
+def refused(argv, capsys):
+    from redcoast.plan import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--seq-len", "0"], "argument --seq-len: '0' is not a positive integer"),
+    (["--hosts", "0"], "argument --hosts: '0' is not a positive integer"),
+    (["--devices", "0"], "argument --devices: '0' is not a positive integer"),
+    (["--devices", "two"], "argument --devices: 'two' is not a positive integer"),
+    (["--per-device-batch-size", "-1"], "argument --per-device-batch-size: '-1'"),
+    (["--model-shards", "0"], "argument --model-shards: '0'"),
+    (["--device-memory", "eGiB"], "argument --device-memory: not a size: 'eGiB'"),
+    (["--device-memory", "1e400GiB"], "argument --device-memory: '1e400GiB' is not a finite size"),
+    (["--device-memory", "40"], "argument --device-memory: '40' has no unit"),
+    (["--devices", "6", "--hosts", "4"], "--devices 6 is not a multiple of --hosts 4"),
+    (["--model-shards", "3"], "--model-shards 3 does not divide --devices 8"),
+    (["--devices", "100000"], "--devices 100000 with --target cpu would start 100000 simulated"),
+])
+def test_the_cli_refuses_bad_arguments_before_any_work(tiny_config, no_work, capsys, flags, needle):
+    base = {"--devices": "8", "--device-memory": "1GiB", "--seq-len": "32"}
+    argv = [tiny_config] + [x for k, v in base.items() if k not in flags for x in (k, v)] + flags
+    err = refused(argv, capsys)
+    assert needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{not json", "is not JSON (Expecting property name enclosed in double quotes at line 1"),
+    (json.dumps({**TINY, "hidden_size": "big"}),
+     'field "hidden_size" is "big"; redcoast\'s llama config reads it as an integer'),
+    (json.dumps({**TINY, "rms_norm_eps": "tiny"}), 'field "rms_norm_eps" is "tiny"'),
+    (json.dumps({k: v for k, v in TINY.items() if k != "hidden_size"}),
+     'has no field "hidden_size", which redcoast\'s llama model needs'),
+    (json.dumps({**TINY, "hidden_size": None}), 'field "hidden_size" is null'),
+    (json.dumps({k: v for k, v in TINY.items() if k != "model_type"}), 'no field "model_type"'),
+    (json.dumps({**TINY, "model_type": "llama9"}), "model_type 'llama9' is not supported"),
+    (json.dumps([TINY]), "holds a JSON list, not an object of fields"),
+])
+def test_a_config_file_that_cannot_be_read_names_the_file_and_the_field(tmp_path, no_work, capsys,
+                                                                         content, needle):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    err = refused([str(tmp_path), "--devices", "8", "--device-memory", "1GiB", "--seq-len", "32"],
+                  capsys)
+    assert f"{path}" in err and needle in err and "Fix" in err and "Traceback" not in err, err
+    err = refused([str(tmp_path / "elsewhere"), "--devices", "8", "--device-memory", "1GiB",
+                   "--seq-len", "32"], capsys)
+    assert f"no config.json at {tmp_path / 'elsewhere' / 'config.json'}" in err
+
+
+def test_plan_itself_refuses_what_cannot_be_planned_before_compiling(tiny_config, tmp_path):
+    from redcoast.errors import ConfigError
+    ask = dict(devices=8, hosts=1, device_memory="1GiB", seq_len=32)
+    for change, needle in [(dict(seq_len=0), "seq_len=0"), (dict(hosts=0), "hosts=0"),
+                           (dict(devices=6, hosts=4), "devices=6 on hosts=4"),
+                           (dict(device_memory=0), "device_memory=0"),
+                           (dict(model_shards=3), "model_shards=3 does not divide devices=8"),
+                           (dict(optimizer="adam"), "optimizer='adam'"),
+                           (dict(devices=100000), "devices=100000: planning them would start")]:
+        with pytest.raises(PlanError, match="Fix") as e:
+            plan(tiny_config, **{**ask, **change})
+        assert needle in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "hidden_size": "big"}))
+    with pytest.raises(ConfigError, match='config.json: field "hidden_size" is "big"'):
+        plan(str(tmp_path), **ask)
+
+
+def test_the_configs_redcoast_plans_read_without_complaint():
+    """No false alarm: every config of the benchmarks (the README's rows), and a null where
+    Hugging Face fills in a default (num_key_value_heads: as many as the attention heads)."""
+    import glob
+
+    from redcoast.config_file import check_model_config, read_model_config
+    files = glob.glob(os.path.join(ROOT, "benchmarks", "configs", "*.json"))
+    assert len(files) >= 10
+    for path in files:
+        assert read_model_config(path)["model_type"]
+    check_model_config({**TINY, "num_key_value_heads": None}, "config.json")
