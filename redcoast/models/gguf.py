@@ -57,16 +57,17 @@ def _gguf():
     return gguf
 
 
-def hf_name(gguf_name):
-    """The Hugging Face Llama name of a llama.cpp tensor name."""
+def hf_name(gguf_name, path="this GGUF file"):
+    """The Hugging Face Llama name of a llama.cpp tensor name (of the file ``path``)."""
     m = _LAYER.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    raise ConfigError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart; the file "
-                      "is not a plain Llama model.")
+    raise ConfigError(f"{path}: its tensor {gguf_name!r} has no Hugging Face Llama counterpart; "
+                      "the file is not a plain Llama model (or its tensor names are damaged). "
+                      "Fix: load the model's Hugging Face folder with from_pretrained instead.")
 
 
 def unpermute_rows(weight, n_head):
@@ -108,9 +109,9 @@ class GGUFFile:
         """The metadata value ``key`` as ``kind`` (int or float), ``default`` where it is absent;
         a value of another type (a string, a float for a count) is named, not converted."""
         value = self.metadata.get(key, default)
-        allowed = (int,) if kind is int else (int, float)
+        allowed = int if kind is int else float  # as llama.cpp: no count as float, nor back
         if value is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
-            expected = "an integer" if kind is int else "a number"
+            expected = "an integer" if kind is int else "a float"
             raise ConfigError(f"{self.path} is damaged: its metadata value {key!r} is "
                               f"{value!r}, where llama.cpp's files hold {expected}. Fix: "
                               "download or convert the file again.")
@@ -121,7 +122,7 @@ def hf_config(file):
     """A Hugging Face Llama config.json dict from a :class:`GGUFFile`'s metadata."""
     arch = file.require("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ConfigError(f"GGUF architecture {arch!r} is not supported; redcoast reads "
+        raise ConfigError(f"{file.path}: GGUF architecture {arch!r} is not supported; redcoast reads "
                           f"{list(ARCHITECTURES)} GGUF files (other families: convert to a Hugging "
                           "Face folder and use from_pretrained).")
 
@@ -190,13 +191,18 @@ def rope_scaling(file, opt, rope_theta, head_dim):
     if kind == "linear":
         return {"rope_type": "linear", "factor": opt("rope.scaling.factor", float, 1.0)}
     if kind not in (None, "none"):
-        raise ConfigError(f"this GGUF file uses RoPE scaling {kind!r}, which redcoast's GGUF "
+        raise ConfigError(f"{file.path} uses RoPE scaling {kind!r}, which redcoast's GGUF "
                           "reader does not support (linear, and Llama 3's rope_freqs, it does); "
                           "load the model's Hugging Face folder with from_pretrained instead.")
     if "rope_freqs.weight" not in file.tensors:
         return None
     t = file.tensors["rope_freqs.weight"]
     divisors = np.asarray(dequantize(file.path, t), np.float64).ravel()
+    if divisors.size != head_dim // 2:
+        raise ConfigError(f"{file.path}: its rope_freqs holds {divisors.size} divisors for "
+                          f"{head_dim // 2} rotary frequencies; it is damaged or of another "
+                          "model. Fix: load the model's Hugging Face folder with from_pretrained "
+                          "instead.")
     factor = float(divisors.max())
     scaling = {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
     # what the model's own RoPE divides each frequency by under that scaling
@@ -204,7 +210,7 @@ def rope_scaling(file, opt, rope_theta, head_dim):
     expected = plain.astype(np.float64) / scaled
     if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-6, atol=0):
         raise ConfigError(
-            f"this GGUF file's rope_freqs ({divisors.size} divisors from {divisors.min():.4g} to "
+            f"{file.path}: its rope_freqs ({divisors.size} divisors from {divisors.min():.4g} to "
             f"{factor:.4g}) are not Llama 3's RoPE scaling with factor {factor:.4g} and "
             f"{LLAMA3_ROPE}, the one redcoast recognises; load the model's Hugging Face folder "
             "with from_pretrained instead.")
@@ -236,7 +242,7 @@ class GGUFTensors(Mapping):
                         "self_attn.k_proj": config["num_key_value_heads"]}
                        if config["model_type"] == "llama" else {})
         # rope_freqs is a setting (read into the config's rope_scaling), not a parameter
-        self._source = {hf_name(name): t for name, t in file.tensors.items()
+        self._source = {hf_name(name, file.path): t for name, t in file.tensors.items()
                         if name != "rope_freqs.weight"}
         self._last = (None, None)
 
@@ -261,12 +267,17 @@ class GGUFTensors(Mapping):
         shape = self.shape(name)
         if array.shape != shape:
             if array.size != int(np.prod(shape)):
-                raise ConfigError(f"GGUF tensor {t.name!r} dequantised to {array.shape}, "
+                raise ConfigError(f"{self.file.path}: tensor {t.name!r} dequantised to {array.shape}, "
                                   f"expected {shape}; the file is damaged or of an unknown kind.")
             array = array.reshape(shape)
         array = np.asarray(array, np.float32)
         for module, n_head in self._heads.items():
             if f".{module}." in name:
+                if array.shape[0] % (2 * n_head):
+                    raise ConfigError(f"{self.file.path}: tensor {t.name!r} has {array.shape[0]} "
+                                      f"rows, not two halves per head of its {n_head} heads; the "
+                                      "file's head counts do not describe its tensors (it is "
+                                      "damaged). Fix: download or convert the file again.")
                 array = unpermute_rows(array, n_head)
         return array
 

@@ -311,7 +311,7 @@ def _place_tensors(path, mapped, order, data_start, alignment, infos):
         data = mapped[start:start + n_bytes].view(dtype).reshape(shape)
         tensors[name] = GGUFTensor(name, info.tensor_type, info.dims, data)
         expected = _pad(offset + n_bytes, alignment)
-    if infos and size > data_start + expected:
+    if size > data_start + expected:  # with no tensors: nothing after the header
         raise damaged(path, f"{size - data_start - expected} bytes after the last tensor "
                       "belong to no tensor (a tensor's size in the header is wrong)",
                       f"from byte {data_start + expected}")
