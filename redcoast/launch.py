@@ -20,7 +20,9 @@ one). Progress is any output (a line or part of one) or a touch of the file name
 ``REDCOAST_HEARTBEAT_FILE`` (:func:`heartbeat`; redcoast's training, evaluation and prediction loops touch it every batch).
 A forwarded SIGINT or SIGTERM gives the processes ``--stop-timeout`` seconds to save and exit,
 then SIGKILL. A ``--port`` already in use, on any address of this machine, is reported before
-anything starts.
+anything starts, as are counts that are not positive integers, durations that are not seconds,
+and more than 64 processes or 1024 devices in all (slow to start: ``--allow-many`` to start
+them all the same, with a warning).
 """
 
 import argparse
