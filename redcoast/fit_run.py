@@ -23,6 +23,7 @@ from .checkpoint import CheckpointStore
 from .data import EpochData, examples_by_epoch, is_iterator, is_sequence, updates_after
 from .errors import ConfigError, EvaluationError
 from .preemption import PreemptionGuard
+from .resume_changes import lr_at, planned_updates, warn_if_changed
 from .workdir import WorkdirLock, agree, move_aside
 
 
@@ -166,7 +167,9 @@ class FitRun:
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "train_size": schedule.train_size, "n_epochs": schedule.n_epochs,
             "max_steps": schedule.max_steps, "shuffle": schedule.shuffle,
-            "compute_dtype": str(jnp.dtype(trainer.compute_dtype))}
+            "compute_dtype": str(jnp.dtype(trainer.compute_dtype)),
+            "planned_updates": planned_updates(schedule.train_size, schedule.n_epochs,
+                                               schedule.max_steps, schedule.per_update)}
         self.workdir = self.deployer.workdir
         self.store: CheckpointStore | None = None
         self._lock: WorkdirLock | None = None
@@ -232,7 +235,8 @@ class FitRun:
         progress = trainer.progress
         trainer.set_progress(progress.replace(best={**progress.best, **self._best_on_disk()}))
         self.saved = (progress.step, progress.epoch, progress.position, self.store.directory)
-        _warn_if_config_changed(self.deployer, meta.get("config", {}), self.config)
+        warn_if_changed(self.deployer, meta.get("config", {}), self.config,
+                        trainer.lr_schedule_fn, progress.step)
         into = f"{progress.position} update{'' if progress.position == 1 else 's'} into it"
         if progress.examples:
             resumed = None if self.schedule.streamed else self.schedule.examples_of(progress.epoch)
@@ -277,10 +281,17 @@ class FitRun:
         if self.store is None:
             return
         progress = self.trainer.progress
-        self.trainer.save_checkpoint(self.store, progress.epoch, progress.position, self.config,
+        self.trainer.save_checkpoint(self.store, progress.epoch, progress.position,
+                                     self.config_at(progress.step),
                                      examples_consumed=progress.examples,
                                      stream_fingerprint=self._fingerprint(progress.examples))
         self.saved = (progress.step, progress.epoch, progress.position, self.store.directory)
+
+    def config_at(self, step: int) -> dict:
+        """What a checkpoint at ``step`` records of the run: :attr:`config`, and the learning
+        rate at the first update, this one and the planned last (a resume compares them)."""
+        ends = [0, step] + [n for n in (self.config["planned_updates"],) if n is not None]
+        return {**self.config, "lr_at": lr_at(self.trainer.lr_schedule_fn, ends)}
 
     def _fingerprint(self, n):
         return None if self.source is None else self.source.fingerprint(n)
@@ -312,7 +323,8 @@ class FitRun:
                                          keep_last_n=1, logger=self.deployer.logger,
                                          replace_existing=True, files=self.files)
             progress = trainer.progress
-            trainer.save_checkpoint(best_store, progress.epoch, progress.position, self.config,
+            trainer.save_checkpoint(best_store, progress.epoch, progress.position,
+                                    self.config_at(progress.step),
                                     examples_consumed=progress.examples)
             best_store.close()
             self.deployer.log_info(f"saved the best checkpoint by {name} = {value:.4f} "
@@ -439,18 +451,3 @@ def _has_best(directory) -> bool:
     path = epath.Path(directory)
     return path.exists() and any(p.name.startswith("best_") for p in path.iterdir())
 
-
-def _warn_if_config_changed(deployer, saved: Mapping, current: Mapping) -> None:
-    def changed(keys):
-        return ", ".join(f"{k} ({saved[k]} -> {current[k]})" for k in keys
-                         if k in saved and saved[k] != current[k])
-    order = changed(("jax_seed", "train_size", "shuffle"))
-    if order:
-        deployer.log_warning(f"resuming with a different {order}: the data order changes, so "
-                             "the run will not repeat the interrupted one.")
-    grouping = changed(("global_batch_size", "accumulate_grad_batches"))
-    if grouping:  # the order of the examples does not depend on the batch size
-        deployer.log_warning(
-            f"resuming with a different {grouping}: the epoch goes on at the first example the "
-            "interrupted run had not trained, in the same order, but in updates of another "
-            "size, so the run will not repeat the interrupted one exactly.")

@@ -171,11 +171,21 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ResumeConfig:
+    """How ``redcoast train`` continues a run whose workdir holds checkpoints: refused where the
+    record differs from the one stored with the newest checkpoint, each change named, unless
+    ``allow_changes`` (or ``--allow-changes``): then each change is logged and both records kept
+    (redcoast/run_record.py says which fields count)."""
+
+    allow_changes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """One training run as data (see the module's docstring). ``export``: a Hugging Face folder
     written at the end (LoRA merged in); ``eval_at_start``: evaluate the model before training
     (logged as ``eval_loss_at_start``); ``simulate_cpu_devices``: on a CPU, run on this many
-    simulated devices."""
+    simulated devices; ``resume``: whether a resume may change the record (ResumeConfig)."""
 
     deployer: DeployerConfig = dataclasses.field(default_factory=DeployerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
@@ -184,6 +194,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    resume: ResumeConfig = dataclasses.field(default_factory=ResumeConfig)
     export: Optional[str] = None
     eval_at_start: bool = False
     simulate_cpu_devices: Optional[int] = None
@@ -198,6 +209,13 @@ class RunConfig:
 
     def fit_kwargs(self) -> dict:
         return self.fit.kwargs()
+
+    def check_values(self) -> None:
+        """Refuse values no run can mean (``data.max_length: 0``, a negative learning rate, ...):
+        one :class:`ConfigError` naming each by its YAML path, with the value and the fix
+        (redcoast/run_checks.py)."""
+        from .run_checks import check_values
+        check_values(self)
 
     # ------------------------------------------------------------------ as text
 

@@ -2,23 +2,30 @@
 
     redcoast train run.yaml
     redcoast train run.yaml --trainer.fsdp=false --fit.n_epochs=3 --lora.rank=8
+    redcoast train run.yaml --optimizer.learning_rate=1e-5 --allow-changes
 
 Fine-tunes a Hugging Face folder, a GGUF file, or a fresh model from a config.json on text
 records from files (redcoast/text_task.py): a causal-LM or seq2seq loss, LoRA optional. The
 file is a :class:`~redcoast.run_config.RunConfig`; each ``--section.field=value`` replaces one
-field. The record of the run (overrides applied, paths absolute) is printed at the start and
-written to ``<workdir>/run.yaml`` and into every checkpoint (``files/run.yaml``): ``redcoast
-train`` on that file reruns the run, and on a workdir holding checkpoints ``fit`` resumes it (a
-SIGTERM saves and exits; the same command continues).
+field. Values no run can mean (``data.max_length: 0``, a negative learning rate) are refused
+before any work (redcoast/run_checks.py). The record of the run (overrides applied, paths
+absolute) is printed at the start and written to ``<workdir>/run.yaml`` and into every
+checkpoint (``files/run.yaml``): ``redcoast train`` on that file reruns the run, and on a
+workdir holding checkpoints ``fit`` resumes it (a SIGTERM saves and exits; the same command
+continues). A resume under another record is refused, each change named, unless
+``--allow-changes``; every record a run ran under is kept in ``<workdir>/run-history/``
+(redcoast/run_record.py).
 """
 
+import dataclasses
 import os
 import sys
 
 from .errors import ConfigError
-from .run_config import RunConfig, absolute_paths
+from .run_config import ResumeConfig, RunConfig, absolute_paths
+from .run_record import HISTORY, RECORD, check_resume, keep
 
-RECORD = "run.yaml"  # the run's record, in the workdir and in every checkpoint
+ALLOW_CHANGES = "--allow-changes"  # the same as --resume.allow_changes=true
 SEQ2SEQ_FAMILIES = ("t5", "bart")
 CAUSAL_FAMILIES = ("llama", "gpt2", "opt", "gptj")
 
@@ -28,12 +35,17 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (len(argv) == 1 and argv[0] in ("-h", "--help")):
         examples, description = __doc__.split("\n\n")[1:3]
-        print(f"usage: redcoast train run.yaml [--section.field=value ...]\n\n{examples}\n\n"
+        print(f"usage: redcoast train run.yaml [--section.field=value ...] [{ALLOW_CHANGES}]"
+              f"\n\n{examples}\n\n"
               f"{description.strip()}\n\nEvery field: redcoast train run.yaml --help; what each "
               "means: redcoast/run_config.py.")
         return 0 if argv else 2
+    allow = ALLOW_CHANGES in argv
+    argv = [a for a in argv if a != ALLOW_CHANGES]
     try:
         cfg = absolute_paths(RunConfig.from_args(argv))
+        if allow:
+            cfg = dataclasses.replace(cfg, resume=ResumeConfig(allow_changes=True))
         check(cfg)
         train(cfg)
     except ConfigError as e:  # the cause and the fix, without a traceback
@@ -43,13 +55,15 @@ def main(argv=None) -> int:
 
 
 def check(cfg: RunConfig) -> None:
-    """What ``redcoast train`` needs beyond what the record's types say."""
+    """What ``redcoast train`` needs beyond what the record's types say: the files, a workdir,
+    values a run can mean."""
     missing = [name for name, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
                                         ("deployer.workdir", cfg.deployer.workdir)) if not value]
     if missing:
         raise ConfigError(f"the run config sets no {', '.join(missing)}; redcoast train needs "
                           "a model, training data and a workdir (for its checkpoints and "
                           f"record). Fix: set them in the file or as --{missing[0]}=...")
+    cfg.check_values()
     for name, path in (("model.path", cfg.model.path), ("model.tokenizer", cfg.model.tokenizer),
                        ("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
         if path is not None and not os.path.exists(path):
@@ -59,7 +73,9 @@ def check(cfg: RunConfig) -> None:
 
 
 def train(cfg: RunConfig):
-    """Run ``cfg`` to its end (or to a signal: saved, then SystemExit); the trainer."""
+    """Run ``cfg`` to its end (or to a signal: saved, then SystemExit); the trainer. A resume
+    under another record than its checkpoint's is refused first, unless allowed."""
+    resume = check_resume(cfg)  # before any work, on every process
     if cfg.simulate_cpu_devices:  # before JAX starts its backend
         from .simulate import simulate_cpu_devices
         simulate_cpu_devices(cfg.simulate_cpu_devices)
@@ -71,11 +87,10 @@ def train(cfg: RunConfig):
     record = cfg.to_yaml()
     with Deployer(**cfg.deployer_kwargs()) as deployer:
         where = epath.Path(deployer.workdir) / RECORD  # a local path or a URL (gs://...)
-        deployer.log_info(record.rstrip("\n"), title=f"run config (kept as {where} and in every "
-                                                      "checkpoint):")
+        deployer.log_info(record.rstrip("\n"), title=f"run config (kept as {where}, in "
+                                                      f"{HISTORY}/ and in every checkpoint):")
         if jax.process_index() == 0:
-            where.parent.mkdir(parents=True, exist_ok=True)
-            where.write_text(record)
+            keep(deployer.workdir, record, resume, deployer.log_info, deployer.log_warning)
         return _train(cfg, deployer, record)
 
 
