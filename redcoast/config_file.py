@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import types
 import typing
 
 from .errors import ConfigError
@@ -97,7 +98,8 @@ def _wrong_type(where, model_type, name, fields, config_class):
 def _number_kind(annotation):
     """``(kind, optional)``: kind 'an integer' or 'a number' for an int or float annotation
     (None for any other), optional when None is allowed too."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Union else ()
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)  # Optional[int], int | None
+    args = typing.get_args(annotation) if union else ()
     optional = type(None) in args
     if optional and len(args) == 2:
         annotation = next(a for a in args if a is not type(None))

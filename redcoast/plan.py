@@ -287,7 +287,8 @@ def _no_examples(examples):
 
 
 def _config_file(config):
-    return config if os.path.isfile(config) else os.path.join(config, "config.json")
+    from .config_file import config_path
+    return config_path(config)
 
 
 def _suggest(record):
