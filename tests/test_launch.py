@@ -342,6 +342,23 @@ def test_launch_relays_a_100_mb_line_without_a_newline_in_seconds(tmp_path):
     print(f"two 100 MB lines through redcoast launch -n 2 in {took:.1f} s")
 
 
+def test_part_of_a_line_is_progress():
+    """--stall-timeout's progress: bytes without a newline count, though not written yet."""
+    read, write = os.pipe()
+    sink, progress = io.BytesIO(), [0.0]
+    out = _Output(os.fdopen(read, "rb"), "[0] ", sink, collections.deque(), progress, 0)
+    before = time.monotonic()
+    os.write(write, b"loading")
+    deadline = time.monotonic() + 5
+    while progress[0] < before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert progress[0] >= before and sink.getvalue() == b""
+    os.close(write)
+    out.thread.join(timeout=5)
+    assert sink.getvalue() == b"[0] loading\n"
+
+
+@pytest.mark.slow  # 9 s: a stall timeout of 2 s after 3 s of dots
 def test_launch_counts_part_of_a_line_as_progress_and_names_the_process_that_then_hangs(tmp_path):
     """Process 1 prints one line a dot at a time for 3 s (longer than --stall-timeout 2), then
     hangs mid-line while process 0 keeps printing: process 1 is named, its unfinished line
