@@ -7,14 +7,22 @@ sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the loop
 tokenizer's special tokens (``bos_token``, ``eos_token``, ...) as variables; so does
 :class:`ChatTemplate`, so that a prompt is the one the model was trained on. Needs ``jinja2``
 (``pip install 'redcoast[chat]'``).
+
+A template comes with the model's files and runs as code, so unlike transformers, redcoast
+renders it under a :class:`~redcoast.models.template_budget.TemplateBudget` (steps, seconds,
+characters; :mod:`redcoast.models.template_sandbox` says where it is metered): one that loops or
+grows without end stops with a :class:`~redcoast.errors.ConfigError` naming its file and the
+limit to raise (``template.with_budget(TemplateBudget(...))``) for those who trust it.
 """
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 
 from ..errors import ConfigError
+from .template_budget import BudgetMeter, TemplateBudget
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                   "mask_token")
@@ -22,10 +30,17 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token
 
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
-    """A Jinja chat template and the special tokens it may refer to."""
+    """A Jinja chat template, the special tokens it may refer to, where it was read from (for
+    errors) and what one rendering of it may use (``budget``; None: no limit)."""
 
     source: str
     special_tokens: tuple = ()   # ((name, text), ...), e.g. (("eos_token", "<|im_end|>"),)
+    origin: str | None = dataclasses.field(default=None, compare=False)   # its file, if known
+    budget: TemplateBudget | None = TemplateBudget()
+
+    def with_budget(self, budget):
+        """This template with another :class:`TemplateBudget` (None: no limit)."""
+        return dataclasses.replace(self, budget=budget)
 
     def render(self, messages, add_generation_prompt=True, tools=None, documents=None,
                **variables):
@@ -35,15 +50,18 @@ class ChatTemplate:
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise ConfigError("tools must be JSON schemas (dicts) of the functions, as "
                               "transformers' apply_chat_template takes them.")
-        context = {**dict(self.special_tokens), **variables}
-        return _compiled(self.source).render(messages=messages, tools=tools, documents=documents,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **context)
+        from .template_sandbox import render
+
+        meter = BudgetMeter(self.budget or TemplateBudget.unlimited(), self.origin)
+        context = {**dict(self.special_tokens), **variables, "messages": messages, "tools": tools,
+                   "documents": documents, "add_generation_prompt": add_generation_prompt}
+        return render(_compiled(self.source), context, meter)
 
     @classmethod
-    def from_folder(cls, folder):
+    def from_folder(cls, folder, budget=TemplateBudget()):
         """The folder's template (``chat_template.jinja``, else ``tokenizer_config.json``'s
-        ``chat_template``, its "default" where it names several), or None where it has none."""
+        ``chat_template``, its "default" where it names several), or None where it has none;
+        ``budget``: what one rendering may use (None: no limit)."""
         config = {}
         path = os.path.join(folder, "tokenizer_config.json")
         if os.path.exists(path):
@@ -52,11 +70,11 @@ class ChatTemplate:
                     config = json.load(f)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{path} cannot be read as JSON ({e}). Fix: repair it.") from None
-        source = config.get("chat_template")
+        source, origin = config.get("chat_template"), path
         jinja_file = os.path.join(folder, "chat_template.jinja")
         if os.path.exists(jinja_file):
             with open(jinja_file) as f:
-                source = f.read()
+                source, origin = f.read(), jinja_file
         if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
@@ -69,12 +87,13 @@ class ChatTemplate:
                 value = value.get("content")
             if isinstance(value, str):
                 tokens[name] = value
-        return cls(source, tuple(sorted(tokens.items())))
+        return cls(source, tuple(sorted(tokens.items())), origin, budget)
 
     @classmethod
-    def from_gguf(cls, file):
+    def from_gguf(cls, file, budget=TemplateBudget()):
         """The template of a :class:`redcoast.models.gguf.GGUFFile` (``tokenizer.chat_template``),
-        with its BOS, EOS, unknown and padding tokens; None where the file has none."""
+        with its BOS, EOS, unknown and padding tokens; None where the file has none;
+        ``budget``: what one rendering may use (None: no limit)."""
         source = file.get("tokenizer.chat_template")
         if not isinstance(source, str):
             return None
@@ -85,23 +104,22 @@ class ChatTemplate:
             index = file.get(f"tokenizer.ggml.{key}_token_id")
             if index is not None and 0 <= int(index) < len(vocabulary):
                 tokens[name] = str(vocabulary[int(index)])
-        return cls(source, tuple(sorted(tokens.items())))
+        origin = getattr(file, "path", None)
+        return cls(source, tuple(sorted(tokens.items())),
+                   None if origin is None else f"{origin} (tokenizer.chat_template)", budget)
 
 
-_COMPILED = {}
-
-
+@functools.lru_cache(maxsize=32)
 def _compiled(source):
-    if source not in _COMPILED:
-        _COMPILED[source] = _environment().from_string(source)
-    return _COMPILED[source]
+    return _environment().from_string(source)
 
 
 def _environment():
     try:
         import jinja2
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from .template_sandbox import BudgetedEnvironment
     except ImportError:
         raise ConfigError("Rendering a model's chat template needs jinja2. Fix: pip install "
                           "'redcoast[chat]' (or jinja2).") from None
@@ -123,13 +141,8 @@ def _environment():
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlocks, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[GenerationBlocks, jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env
