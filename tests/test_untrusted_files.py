@@ -343,3 +343,18 @@ def test_an_index_that_does_not_describe_its_files_is_named(tmp_path, weight_map
     with pytest.raises(ConfigError, match=match) as info:
         SafetensorsFolder(folder)
     assert "model.safetensors.index.json" in str(info.value)
+
+
+def test_a_special_token_id_past_the_vocab_size_of_a_file_without_tokens_is_refused(tmp_path):
+    from redcoast.models.gguf import hf_config
+
+    counts = {"context_length": 64, "embedding_length": 32, "block_count": 1,
+              "feed_forward_length": 64, "attention.head_count": 4, "vocab_size": 10}
+    values = [("general.architecture", STRING, gguf_string("llama"))]
+    values += [(f"llama.{k}", U32, struct.pack("<I", v)) for k, v in counts.items()]
+    values += [("llama.attention.layer_norm_rms_epsilon", F32_KIND, struct.pack("<f", 1e-5)),
+               ("tokenizer.ggml.eos_token_id", U32, struct.pack("<I", 10))]
+    path = write(tmp_path, gguf_bytes(values, GOOD_TENSORS, GOOD_DATA))
+    with pytest.raises(ConfigError, match=rf"{path} is damaged: its eos token id 10 lies outside "
+                       r"its vocabulary of 10"):
+        hf_config(open_gguf(path))

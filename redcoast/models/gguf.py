@@ -172,9 +172,13 @@ def hf_config(file):
     if scaling is not None:
         config["rope_scaling"] = scaling
     for name in ("bos", "eos", "padding"):
-        value = file.get(f"tokenizer.ggml.{name}_token_id")
+        value = file.number(f"tokenizer.ggml.{name}_token_id", int)
+        if value is not None and not 0 <= value < vocab:  # (checked on reading with tokens)
+            raise ConfigError(f"{file.path} is damaged: its {name} token id {value} lies outside "
+                              f"its vocabulary of {vocab}. Fix: download or convert the file "
+                              "again.")
         if value is not None:
-            config[f"{'pad' if name == 'padding' else name}_token_id"] = int(value)
+            config[f"{'pad' if name == 'padding' else name}_token_id"] = value
     return config
 
 

@@ -101,30 +101,53 @@ class _Cursor:
     def __init__(self, path, buffer, order, offset):
         self.path, self.buffer, self.order, self.offset = path, buffer, order, offset
         self.size = len(buffer)
+        self._structs = {}
 
     def need(self, n, what):
         """Fail unless ``n`` more bytes (``what``) lie in the file."""
         left = self.size - self.offset
         if n > left:
-            raise damaged(self.path, f"{what} takes {n} bytes but the file ends {left} bytes "
-                          "later (it is cut short, or a length in it is wrong)",
-                          f"at byte {self.offset}")
+            raise self.short(n, what)
+
+    def short(self, n, what):
+        left = self.size - self.offset
+        return damaged(self.path, f"{what} takes {n} bytes but the file ends {left} bytes later "
+                       "(it is cut short, or a length in it is wrong)", f"at byte {self.offset}")
 
     def scalar(self, fmt, what):
-        self.need(struct.calcsize(fmt), what)
-        (value,) = struct.unpack_from(self.order + fmt, self.buffer, self.offset)
-        self.offset += struct.calcsize(fmt)
+        unpacker = self._structs.get(fmt)
+        if unpacker is None:
+            unpacker = self._structs[fmt] = struct.Struct(self.order + fmt)
+        self.need(unpacker.size, what)
+        (value,) = unpacker.unpack_from(self.buffer, self.offset)
+        self.offset += unpacker.size
         return value
 
     def string(self, what):
-        n = self.scalar("Q", f"the length of {what}")
-        self.need(n, what)
-        start, self.offset = self.offset, self.offset + n
-        try:
-            return bytes(self.buffer[start:self.offset]).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise damaged(self.path, f"{what} is not UTF-8 text ({e.reason})",
-                          f"at byte {start + e.start}") from None
+        return self.strings(1, what)[0]
+
+    def strings(self, n, what):
+        """``n`` strings one after the other; ``what`` names them (item i of it, when n > 1)."""
+        buffer, size, offset = self.buffer, self.size, self.offset
+        length_of = struct.Struct(self.order + "Q").unpack_from
+        out = []
+        # the hot loop of a header (one pass per token and merge): messages built on failure only
+        for i in range(n):
+            if offset + 8 > size:
+                self.offset = offset
+                raise self.short(8, f"the length of {_item(what, i, n)}")
+            (length,) = length_of(buffer, offset)
+            start, offset = offset + 8, offset + 8 + length
+            if offset > size:
+                self.offset = start
+                raise self.short(length, _item(what, i, n))
+            try:
+                out.append(bytes(buffer[start:offset]).decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise damaged(self.path, f"{_item(what, i, n)} is not UTF-8 text ({e.reason})",
+                              f"at byte {start + e.start}") from None
+        self.offset = offset
+        return out
 
     def value(self, kind, what):
         if kind in _SCALARS:
@@ -150,7 +173,11 @@ class _Cursor:
             items = np.frombuffer(self.buffer, dtype, n, self.offset)
             self.offset += n * dtype.itemsize
             return item_kind, items.tolist()
-        return item_kind, [self.string(f"item {i} of {what}") for i in range(n)]
+        return item_kind, self.strings(n, what)
+
+
+def _item(what, i, n):
+    return what if n == 1 else f"item {i} of {what}"
 
 
 def read_header(path, gguf):
