@@ -309,6 +309,27 @@ def test_an_index_cannot_reach_a_file_outside_the_folder(tmp_path, elsewhere, ho
         SafetensorsFolder(folder)
 
 
+def test_a_single_weights_file_linked_from_outside_the_folder_is_refused(tmp_path, elsewhere):
+    from redcoast.models.hf import SafetensorsFolder
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.symlink(elsewhere, folder / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"names 'model.safetensors', which resolves to "
+                       r".*elsewhere.*, outside the model folder"):
+        SafetensorsFolder(str(folder))
+
+
+def test_an_index_that_is_not_json_is_named(tmp_path):
+    from redcoast.models.hf import SafetensorsFolder
+
+    folder = sharded_folder(tmp_path, {})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        f.write('{"weight_map": {"a": ')
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json is not JSON"):
+        SafetensorsFolder(folder)
+
+
 def test_the_hub_caches_links_from_a_snapshot_to_its_blobs_are_followed(tmp_path):
     from safetensors.numpy import save_file
 

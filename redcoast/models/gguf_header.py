@@ -54,9 +54,9 @@ _PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8
 
 def damaged(path, what, where):
     """The error for a defect of the GGUF file ``path``: what it is and where it lies."""
-    return ConfigError(f"{path} is damaged: {what}, {where}. llama.cpp's loader refuses such a "
-                       "file too. Fix: download or convert the file again (an interrupted copy "
-                       "or a faulty converter leaves files like this).")
+    return ConfigError(f"{path} is damaged: {what}, {where}. Fix: download or convert the "
+                       "file again (an interrupted copy or a faulty converter leaves files like "
+                       "this).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +249,7 @@ def _read_metadata(cursor, n_values):
 
 
 def _read_tensor_infos(cursor, n_tensors, gguf):
-    """[(name, dims, tensor type, offset, byte size, byte where described)], each checked."""
+    """[:class:`_TensorInfo`] of the header's tensor descriptions, each checked."""
     infos, names = [], set()
     for i in range(n_tensors):
         at = cursor.offset

@@ -61,7 +61,8 @@ class SafetensorsFolder:
                      for name, tensor in first_tensor.items()}
         elif os.path.exists(os.path.join(self.folder, SINGLE_FILE)):
             weight_map = None
-            paths = {SINGLE_FILE: weight_file(self.folder, SINGLE_FILE, self.folder)}
+            paths = {SINGLE_FILE: weight_file(self.folder, SINGLE_FILE,
+                                              f"the folder {self.folder}")}
         else:
             raise ConfigError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; redcoast "
                               "reads safetensors weights only (convert .bin files with "
