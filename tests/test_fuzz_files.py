@@ -55,9 +55,9 @@ def write_gguf(path):
     writer.add_eos_token_id(1)
     writer.add_tensor("token_embd.weight", rng.normal(size=(8, 32)).astype(np.float32))
     writer.add_tensor("blk.0.attn_norm.weight", rng.normal(size=32).astype(np.float16))
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
     q = rng.normal(size=(32, 32)).astype(np.float32)
-    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0),
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(q, q8_0), raw_dtype=q8_0)
     writer.add_tensor("output_norm.weight", rng.normal(size=(32,)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -122,9 +122,9 @@ def hf_config(file):
     """A Hugging Face Llama config.json dict from a :class:`GGUFFile`'s metadata."""
     arch = file.require("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ConfigError(f"{file.path}: GGUF architecture {arch!r} is not supported; redcoast reads "
-                          f"{list(ARCHITECTURES)} GGUF files (other families: convert to a Hugging "
-                          "Face folder and use from_pretrained).")
+        raise ConfigError(f"{file.path}: GGUF architecture {arch!r} is not supported; redcoast "
+                          f"reads {list(ARCHITECTURES)} GGUF files (other families: convert to a "
+                          "Hugging Face folder and use from_pretrained).")
 
     def key(name, kind):
         file.require(f"{arch}.{name}")
@@ -271,8 +271,9 @@ class GGUFTensors(Mapping):
         shape = self.shape(name)
         if array.shape != shape:
             if array.size != int(np.prod(shape)):
-                raise ConfigError(f"{self.file.path}: tensor {t.name!r} dequantised to {array.shape}, "
-                                  f"expected {shape}; the file is damaged or of an unknown kind.")
+                raise ConfigError(f"{self.file.path}: tensor {t.name!r} dequantised to "
+                                  f"{array.shape}, expected {shape}; the file is damaged or of "
+                                  "an unknown kind. Fix: download or convert the file again.")
             array = array.reshape(shape)
         array = np.asarray(array, np.float32)
         for module, n_head in self._heads.items():

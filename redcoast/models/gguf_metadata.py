@@ -8,7 +8,7 @@ import re
 
 from .gguf_header import KIND_NAMES, ValueKind, damaged
 
-_UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY = 4, 5, 6, 7, 8, 9
+_INT32, _FLOAT32, _BOOL, _STRING, _ARRAY = 5, 6, 7, 8, 9
 _INTEGERS = (0, 1, 2, 3, 4, 5, 10, 11)
 
 # key -> (type, item type of an array) as llama.cpp's converter writes and its loader reads it
