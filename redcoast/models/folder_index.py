@@ -1,15 +1,14 @@
 """A model folder's sharded index (``model.safetensors.index.json``) read from a stranger: its
 weight_map a map of tensor names to files, each file resolved (symlinks followed) inside the
-folder, so that an index cannot make a model load some other file on the machine as weights.
-
-The one link allowed out is the Hugging Face hub cache's own layout: a snapshot folder
-``models--org--name/snapshots/<revision>`` whose files link to ``models--org--name/blobs/``.
+folder by :func:`redcoast.folder_files.file_in_folder`, so that an index cannot make a model
+load some other file on the machine as weights (a hub cache snapshot's links into its blobs
+are followed).
 """
 
-import json
 import os
 
 from ..errors import ConfigError
+from ..folder_files import file_in_folder, read_json_object
 
 REFETCH = ("download the model folder again (e.g. `hf download ORG/NAME --local-dir DIR`) or "
            "write it with save_pretrained")
@@ -17,12 +16,7 @@ REFETCH = ("download the model folder again (e.g. `hf download ORG/NAME --local-
 
 def read_weight_map(index):
     """{tensor name: file name} of the index file ``index``, or a ConfigError naming it."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            content = json.load(f)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"{index} is not JSON ({e}). Fix: {REFETCH}.") from None
-    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    weight_map = read_json_object(index, REFETCH).get("weight_map")
     if not (isinstance(weight_map, dict)
             and all(isinstance(v, str) for v in weight_map.values())):
         raise ConfigError(f"{index} has no weight_map of tensor names to file names (its "
@@ -30,33 +24,14 @@ def read_weight_map(index):
     return weight_map
 
 
-def weight_file(folder, name, source):
-    """The path of the weights file ``name`` that ``source`` (the index and its entry, for
-    messages) names in ``folder``: a file that exists and, resolved, lies inside ``folder``."""
-    root = os.path.realpath(folder)
-    path = os.path.join(root, name)
-    real = os.path.realpath(path)
-    if not (_inside(real, root) or _hub_blob(real, root)):
-        raise ConfigError(f"{source} names {name!r}, which resolves to {real}, outside the "
-                          f"model folder {root}; redcoast reads a model's weights from its "
-                          f"own folder only. Fix: {REFETCH}, or move the file into the "
-                          "folder and name it there.")
-    if not os.path.isfile(real):
-        raise ConfigError(f"{source} names {name!r}, which is not a file in {root}. Fix: "
+def weight_file(folder, name, named_by):
+    """The path of the weights file ``name`` in ``folder``, which ``named_by`` (the index entry,
+    for messages) names: a file that exists and, resolved, lies inside ``folder``."""
+    path = file_in_folder(folder, name, named_by)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{named_by} names {name!r}, which is not a file in {folder}. Fix: "
                           f"{REFETCH}.")
     return path
-
-
-def _inside(path, root):
-    return os.path.commonpath([path, root]) == root and path != root
-
-
-def _hub_blob(real, root):
-    """Whether ``real`` is a blob of the hub cache repository whose snapshot ``root`` is."""
-    snapshots = os.path.dirname(root)
-    if os.path.basename(snapshots) != "snapshots":
-        return False
-    return os.path.dirname(real) == os.path.join(os.path.dirname(snapshots), "blobs")
 
 
 def _brief(value):

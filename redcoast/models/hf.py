@@ -57,12 +57,11 @@ class SafetensorsFolder:
             first_tensor = {}
             for tensor, name in weight_map.items():
                 first_tensor.setdefault(name, tensor)
-            paths = {name: weight_file(self.folder, name, f"{index} (for tensor {tensor!r})")
+            paths = {name: weight_file(self.folder, name, f"{index}'s entry for tensor {tensor!r}")
                      for name, tensor in first_tensor.items()}
         elif os.path.exists(os.path.join(self.folder, SINGLE_FILE)):
             weight_map = None
-            paths = {SINGLE_FILE: weight_file(self.folder, SINGLE_FILE,
-                                              f"the folder {self.folder}")}
+            paths = {SINGLE_FILE: weight_file(self.folder, SINGLE_FILE, "the model's weights")}
         else:
             raise ConfigError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; redcoast "
                               "reads safetensors weights only (convert .bin files with "
