@@ -24,18 +24,21 @@ MAX_INT_BITS = 1 << 16
 class TemplateBudget:
     """What one rendering of a chat template may use; None lifts that limit.
 
-    ``max_steps``: loop iterations, calls, filters, tests and operators (a filter counts each
-    item it goes through). ``max_seconds``: wall-clock time, checked at every step.
-    ``max_output_chars``: the prompt, and any one text or list the template builds on the way.
-    ``max_built_chars``: all the texts and lists it builds, added up (what it may hold in memory).
-    The defaults stop a hostile template within about a second and leave real ones (a few steps
-    and about five characters built per character of conversation) far inside.
+    ``max_steps``: loop iterations, calls (a macro call ten), filters (and each item they go
+    through), tests and operators. ``max_seconds``: wall-clock time, looked at on every step (it
+    stops what the steps undercount: one step over a list of millions). ``max_output_chars``:
+    the prompt, and any one text or list the template makes on the way (a list counts its items,
+    a value to print, compare or hash what ``repr`` would write of it). ``max_built_chars``: all
+    the texts and lists it makes, added up (bounding what it can hold in memory). The defaults
+    stop a hostile template within about a second; real ones (Llama 3.1, Qwen2.5/3, Mistral,
+    Gemma, SmolLM2) take about a dozen steps per message and build at most four characters per
+    character of prompt, so a 4-million-character prompt (about a million tokens) renders.
     """
 
     max_steps: int | None = 250_000
     max_seconds: float | None = 10.0
     max_output_chars: int | None = 4_000_000
-    max_built_chars: int | None = 64_000_000
+    max_built_chars: int | None = 32_000_000
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
