@@ -265,8 +265,9 @@ def test_the_budget_names_the_file_what_ran_over_and_how_to_raise_it(tmp_path):
 
     (tmp_path / "chat_template.jinja").write_text(loop)
     template = ChatTemplate.from_folder(tmp_path, budget=TemplateBudget(max_output_chars=200))
-    with pytest.raises(ConfigError, match=r"chat_template.jinja went over .* the prompt grew past "
-                                          r"200 characters.*TemplateBudget\(max_output_chars=2_000"):
+    with pytest.raises(ConfigError, match=r"chat_template.jinja went over .* the prompt grew "
+                                          r"past 200 characters.*"
+                                          r"TemplateBudget\(max_output_chars=2_000"):
         template.render([], count=150)
     assert template.with_budget(TemplateBudget(max_output_chars=2_000)).render(
         [], count=150) == expected

@@ -197,7 +197,8 @@ def operator_size(meter, operator, left, right):
         if isinstance(left, int) and isinstance(right, sequences):
             left, right = right, left
         if isinstance(left, sequences) and isinstance(right, int):
-            meter.build(len(left) * max(right, 0), f"a {type(left).__name__} repeated {right:,} times")
+            meter.build(len(left) * max(right, 0),
+                        f"a {type(left).__name__} repeated {right:,} times")
         elif isinstance(left, int) and isinstance(right, int):
             _check_int_bits(meter, left.bit_length() + right.bit_length())
     elif operator == "+" and isinstance(left, sequences) and isinstance(right, sequences):

@@ -1,5 +1,5 @@
-"""The Jinja environment chat templates render in: transformers' (Jinja's immutable sandbox), with
-every step a template takes metered by the rendering's
+"""The Jinja environment chat templates render in: Jinja's immutable sandbox, as in transformers,
+with every step a template takes metered by the rendering's
 :class:`~redcoast.models.template_budget.BudgetMeter`.
 
 Where it meters: each loop iteration (the loop's iterable is wrapped when the template is
@@ -24,7 +24,8 @@ from jinja2 import nodes, pass_context
 from jinja2.exceptions import SecurityError
 from jinja2.filters import make_attrgetter
 from jinja2.runtime import LoopContext, Macro, markup_join, missing, str_join
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
+from jinja2.sandbox import (ImmutableSandboxedEnvironment, SandboxedEscapeFormatter,
+                            SandboxedFormatter)
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
