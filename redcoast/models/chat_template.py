@@ -46,16 +46,19 @@ class ChatTemplate:
                **variables):
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]); ``tools``
         (JSON schemas as dicts) and any other ``variables`` are passed to the template, as
-        transformers' ``apply_chat_template(..., tokenize=False)`` passes them."""
+        transformers' ``apply_chat_template(..., tokenize=False)`` passes them. A template that
+        goes over ``budget`` stops with a :class:`~redcoast.errors.ConfigError` saying which limit
+        to raise (``with_budget``)."""
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise ConfigError("tools must be JSON schemas (dicts) of the functions, as "
                               "transformers' apply_chat_template takes them.")
+        template = _compiled(self.source)   # first: it says how to install jinja2 where missing
         from .template_sandbox import render
 
         meter = BudgetMeter(self.budget or TemplateBudget.unlimited(), self.origin)
         context = {**dict(self.special_tokens), **variables, "messages": messages, "tools": tools,
                    "documents": documents, "add_generation_prompt": add_generation_prompt}
-        return render(_compiled(self.source), context, meter)
+        return render(template, context, meter)
 
     @classmethod
     def from_folder(cls, folder, budget=TemplateBudget()):
