@@ -160,10 +160,11 @@ def test_more_than_four_dimensions_are_refused(tmp_path):
             r"tensor 'a' has 5 dimensions, ggml's limit is 4")
 
 
-def test_rows_that_are_not_whole_blocks_are_refused(tmp_path):
-    tensors = [("a", (16, 2), Q8_0, 0)]  # Q8_0 packs 32 values a block
+@pytest.mark.parametrize("dims, row", [((16, 2), 16), ((), 1)])
+def test_rows_that_are_not_whole_blocks_are_refused(tmp_path, dims, row):
+    tensors = [("a", dims, Q8_0, 0)]  # Q8_0 packs 32 values a block
     refused(write(tmp_path, gguf_bytes(GOOD_VALUES, tensors, GOOD_DATA)),
-            r"the rows of tensor 'a' \(16 values\) are not whole blocks of 32")
+            rf"the rows of tensor 'a' \({row} values?\) are not whole blocks of 32")
 
 
 def test_a_string_that_is_not_utf8_is_refused(tmp_path):

@@ -280,8 +280,9 @@ def _read_tensor_infos(cursor, n_tensors, gguf):
             raise damaged(cursor.path, f"tensor {name!r} has type {type_id}, not one of "
                           "ggml's that the gguf package knows", where)
         block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
-        if (dims[0] if dims else 1) % block_size:  # ggml counts a missing dimension as 1
-            raise damaged(cursor.path, f"the rows of tensor {name!r} ({dims[0]} values) are "
+        row = dims[0] if dims else 1  # ggml counts a missing dimension as 1
+        if row % block_size:
+            raise damaged(cursor.path, f"the rows of tensor {name!r} ({row} values) are "
                           f"not whole blocks of {block_size} of its type {tensor_type.name}", where)
         offset = cursor.scalar("Q", f"the data offset of tensor {name!r}")
         infos.append(_TensorInfo(name, dims, tensor_type, offset, block_size, type_size, at))
