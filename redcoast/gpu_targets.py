@@ -94,6 +94,13 @@ def compile_only_devices(name, devices, hosts, jax_version):
     try:
         described = topologies.get_topology_desc(platform="cuda", topology=topology,
                                                  target_config=target_config_text(desc))
+    except NotImplementedError as e:  # 'topology not implemented for cuda': not registered
+        raise PlanError(
+            f"--target {name}: JAX's CUDA plugin ({package} {version}) is installed but was not "
+            "started in this process: JAX started its backends before the GPU target was asked "
+            "for, and the plugin's driver check (cuInit) failed then, with no GPU here. Fix: set "
+            "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (or JAX_PLATFORMS=cpu) before this process first "
+            "uses jax, or plan from the command line (redcoast plan), which does.") from e
     except Exception as e:  # noqa: BLE001 - whatever the plugin says, said with the fix
         raise PlanError(
             f"--target {name}: JAX's CUDA plugin ({package} {version}) did not describe "

@@ -3,6 +3,7 @@ compiler's refusal of a step as a verdict, whatever the compiler and its wording
 
 import importlib.metadata
 import json
+import os
 
 import jax
 import pytest
@@ -13,6 +14,10 @@ from test_memory_check import TPU_REFUSAL_LIBTPU_0_0_42, TPU_REFUSAL_USED_OF
 from test_plan import TINY
 
 GIB = 2**30
+# before JAX starts its backends (at the first test that asks for devices): else the CUDA
+# plugin's driver check fails then, with no GPU here, and it never registers (as the GPU
+# target's PlanError explains to a user)
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
 @pytest.fixture
@@ -139,3 +144,57 @@ def test_any_other_compiler_error_is_named_with_the_config_and_target(tiny_confi
                        rf"the training step of {tiny_config} \(dp=2 x mp=4, seq 32.*ptxas exited"
                        r".*no verdict on memory"):
         plan(tiny_config, devices=8, hosts=2, device_memory="30GiB", seq_len=32)
+
+
+
+@needs_cuda_plugin
+def test_a_process_whose_jax_started_without_the_plugin_says_how_to_start_it():
+    """JAX's backends started (with all platforms) before the GPU target: the plugin's driver
+    check failed then and it never registered; the error says what to set."""
+    import subprocess
+    import sys
+    code = ("import jax; jax.devices(); from redcoast.plan import _target, PlanError\n"
+            "try: _target('h100', 1, 1)\nexcept PlanError as e: print(e)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "Fix: set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1" in done.stdout, done.stdout + done.stderr
+
+# The compilers' own answers to a program too big for one device, live: a changed wording (or a
+# compiler that starts or stops refusing) fails here, on each jax CI runs, instead of a user.
+def _too_big_for_one(device):
+    """A program needing 192 GiB on ``device``: a 64 GiB product sorted (not fusable away)."""
+    from jax.sharding import SingleDeviceSharding
+    a = jax.ShapeDtypeStruct((131072, 1024), jax.numpy.float32,
+                             sharding=SingleDeviceSharding(device))
+    return jax.jit(lambda a: jax.numpy.sort(a @ a.T, axis=0)[0].sum()).lower(a)
+
+
+@needs_cuda_plugin
+def test_the_gpu_compiler_does_not_refuse_a_step_too_big_its_memory_analysis_says_so():
+    from redcoast.plan import _target
+    devices, _ = _target("h100", 1, 1)
+    m = _too_big_for_one(devices[0]).compile().memory_analysis()  # warns, does not raise
+    assert m.temp_size_in_bytes > gpu_targets.device_memory_bytes("h100")
+
+
+def _has_libtpu():
+    try:
+        return bool(importlib.metadata.version("libtpu"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason="libtpu is not installed (CI's steps 1 and 2 "
+                    "install it in a separate environment and run this test there)")
+def test_the_tpu_compilers_refusal_is_read_in_this_libtpus_words():
+    from redcoast.memory_check import compiler_refusal
+    from redcoast.plan import _target
+    devices, _ = _target("tpu-v4", 4, 1)
+    with pytest.raises(jax.errors.JaxRuntimeError) as refused:
+        _too_big_for_one(devices[0]).compile()
+    refusal = compiler_refusal(refused.value)
+    assert refusal is not None, str(refused.value)
+    # the 0.5 GiB argument, the 64 GiB product and its 64 GiB sorted copy: the whole need
+    assert refusal.needed_bytes == int(128.5 * GIB) and refusal.available_bytes < 32 * GIB
