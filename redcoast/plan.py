@@ -4,9 +4,11 @@ A run is planned without its hardware and without its weights: the model is buil
 Hugging Face config.json alone (abstract parameters, nothing allocated), a Trainer chooses its
 layout as it would for the real run, and the training step is compiled for the target's number
 of devices: by the target's own compiler where it runs here without the hardware (TPU v4
-through libtpu and ``jax.experimental.topologies``: ``--target tpu-v4``), else simulated on
-this machine's CPU (XLA:CPU's buffer assignment stands in for the target compiler's); the
-record says which. The per-device memory is split into what the layout
+through libtpu and ``jax.experimental.topologies``: ``--target tpu-v4``; NVIDIA GPUs through
+JAX's CUDA plugin and a description of the GPU, redcoast/gpu_targets.py: ``--target h100``,
+``h200``, ``a100``, ``a100-40gb``), else simulated on this machine's CPU (XLA:CPU's buffer
+assignment stands in for the target compiler's); the record says which. A compiler that
+refuses the step for memory gives the verdict too (DOES NOT FIT, with what it asked for). The per-device memory is split into what the layout
 holds (parameters, optimizer state, gradients) and the compiler's temporaries; the peak is the
 compiler's. When the step does not fit, the same is tried with each layer rematerialised, and
 what would fit is suggested.
