@@ -22,6 +22,7 @@ import os
 import sys
 
 from .errors import ConfigError
+from .folder_files import file_in_folder
 from .run_config import ResumeConfig, RunConfig, absolute_paths
 from .run_record import HISTORY, RECORD, check_resume, keep
 
@@ -172,7 +173,10 @@ def load_model(model_cfg, deployer):
                               f"(its initialisers, seed deployer.jax_seed={deployer.jax_seed})")
         tokenizer = None
     if model_cfg.tokenizer is not None or tokenizer is None:
-        tokenizer = load_tokenizer(model_cfg.tokenizer or os.path.join(folder, "tokenizer.json"))
+        # a folder's own tokenizer.json is the folder's file (not a link out of it); one named
+        # by model.tokenizer is the user's choice
+        tokenizer = load_tokenizer(model_cfg.tokenizer or file_in_folder(
+            folder, "tokenizer.json", "the model's tokenizer"))
     return model, params, tokenizer, model.module_cls.__module__.rsplit(".", 1)[-1]
 
 

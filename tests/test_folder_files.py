@@ -117,3 +117,28 @@ def test_a_tokenizer_is_never_written_through_a_link_out_of_the_export_folder(tm
     with pytest.raises(ConfigError, match="the tokenizer written"):
         write_tokenizer(str(tmp_path / "out"), tokenizer, model=None, config={})
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_a_config_or_index_linking_outside_the_folder_is_refused(tmp_path):
+    from redcoast.models.hf import SafetensorsFolder, read_config
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "other" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {}}))
+    (tmp_path / "m").mkdir()
+    os.symlink("../other/config.json", tmp_path / "m" / "config.json")
+    with pytest.raises(ConfigError, match=r"config.json \(the model's config\) leads outside"):
+        read_config(str(tmp_path / "m"))  # before: the other model's config
+    os.symlink("../other/model.safetensors.index.json",
+               tmp_path / "m" / "model.safetensors.index.json")
+    with pytest.raises(ConfigError, match=r"index.json \(the weights' index\) leads outside"):
+        SafetensorsFolder(str(tmp_path / "m"))
+
+
+def test_a_config_that_is_not_json_is_named(tmp_path):
+    from redcoast.models.hf import read_config
+
+    (tmp_path / "config.json").write_text('{"model_type": ')
+    with pytest.raises(ConfigError, match=r"config.json cannot be read as JSON"):
+        read_config(str(tmp_path))  # before: a JSONDecodeError naming no file

@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..safetensors_check import open_safetensors, wrapped
 from ..tensor_files import entry, write_safetensors
+from ..folder_files import file_in_folder, read_json_object
 from .folder_index import REFETCH, read_weight_map, weight_file
 
 SINGLE_FILE = "model.safetensors"
@@ -39,11 +40,10 @@ def local_folder(path):
 
 def read_config(folder):
     """The folder's config.json as a dict."""
-    path = os.path.join(local_folder(folder), "config.json")
+    path = file_in_folder(local_folder(folder), "config.json", "the model's config")
     if not os.path.exists(path):
         raise ConfigError(f"{folder} has no config.json; a Hugging Face model folder needs one.")
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path, REFETCH)
 
 
 class SafetensorsFolder:
@@ -51,7 +51,7 @@ class SafetensorsFolder:
 
     def __init__(self, folder):
         self.folder = local_folder(folder)
-        index = os.path.join(self.folder, INDEX_FILE)
+        index = file_in_folder(self.folder, INDEX_FILE, "the weights' index")
         if os.path.exists(index):
             weight_map = read_weight_map(index)
             first_tensor = {}
