@@ -357,3 +357,12 @@ def test_smollm2s_own_template_renders_as_transformers_under_the_default_budget(
             expected = reference.apply_chat_template(
                 messages, chat_template=template.source, tokenize=False, add_generation_prompt=add)
             assert template.render(messages, add_generation_prompt=add) == expected
+
+
+def test_the_sandboxs_own_format_machinery_is_out_of_a_templates_reach():
+    from jinja2.exceptions import SecurityError
+
+    with pytest.raises(SecurityError, match="unsafe"):
+        ChatTemplate("{{ '{}'.format.run(none, [], {}) }}").render([])
+    assert ChatTemplate("{{ '{}'.format.run }}").render([]) == ""   # undefined, as any unsafe
+    assert ChatTemplate("{{ '{}-{}'.format('a', 1) }}").render([]) == "a-1"

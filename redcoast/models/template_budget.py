@@ -72,16 +72,16 @@ class BudgetMeter:
         """``count`` more steps (and a look at the clock)."""
         self.steps += count
         if self.steps > self._max_steps:
-            raise self._exceeded("max_steps", f"it ran more than {self._max_steps:,} steps (loop "
+            raise self.exceeded("max_steps", f"it ran more than {self._max_steps:,} steps (loop "
                                  "iterations, calls, filters, tests, operators)")
         if self._deadline is not None and self._clock() > self._deadline:
-            raise self._exceeded("max_seconds", f"it ran longer than {self.budget.max_seconds} s")
+            raise self.exceeded("max_seconds", f"it ran longer than {self.budget.max_seconds} s")
 
     def check(self, size, what):
         """Refuses to make ``what``, of ``size`` characters or items, where that is over
         ``max_output_chars``."""
         if size > self.limit:
-            raise self._exceeded("max_output_chars", f"it would make {what} of "
+            raise self.exceeded("max_output_chars", f"it would make {what} of "
                                  f"{_count(size)} characters or items, over {self.limit:,}")
 
     def build(self, size, what="a text or list"):
@@ -89,7 +89,7 @@ class BudgetMeter:
         self.check(size, what)
         self.built += size
         if self.built > self._max_built:
-            raise self._exceeded("max_built_chars", "the texts and lists it made add up to more "
+            raise self.exceeded("max_built_chars", "the texts and lists it made add up to more "
                                  f"than {self._max_built:,} characters or items")
 
     def charge(self, value):
@@ -107,7 +107,7 @@ class BudgetMeter:
         """``size`` more characters of the prompt itself."""
         self.output += size
         if self.output > self.limit:
-            raise self._exceeded("max_output_chars", f"the prompt grew past {self.limit:,} "
+            raise self.exceeded("max_output_chars", f"the prompt grew past {self.limit:,} "
                                  "characters")
 
     def iterate(self, values):
@@ -123,7 +123,7 @@ class BudgetMeter:
             self.step()
             yield value
 
-    def _exceeded(self, field, detail, raised_to=...):
+    def exceeded(self, field, detail, raised_to=...):
         where = f"from {self.origin}" if self.origin else "(of unknown origin)"
         if raised_to is ...:
             raised_to = f"{getattr(self.budget, field) * 10:_}"
@@ -212,7 +212,7 @@ def operator_size(meter, operator, left, right):
 
 def _check_int_bits(meter, bits):
     if bits > MAX_INT_BITS and meter.limit != math.inf:
-        raise meter._exceeded("max_output_chars", f"it would compute an integer of about "
+        raise meter.exceeded("max_output_chars", f"it would compute an integer of about "
                               f"{_count(bits)} bits (past {MAX_INT_BITS:,} bits only with "
                               "max_output_chars=None)", raised_to=None)
 

@@ -98,10 +98,18 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         self.filters.update({ITERATE: _iterate, TEXT: _text, JOIN: _concat, GUARD: _guard})
         self.tests = {name: _metered_test(function) for name, function in self.tests.items()}
 
-    def _parse(self, source, name, filename):
-        tree = _Metering().visit(super()._parse(source, name, filename))
+    def compile(self, source, name=None, filename=None, raw=False, defer_init=False):
+        """Jinja's compile, with every template's tree metered first (every way to a template,
+        ``from_string`` included, compiles through here)."""
+        tree = self.parse(source, name, filename) if isinstance(source, str) else source
+        tree = _Metering().visit(tree)
         tree.set_environment(self)
-        return tree
+        return super().compile(tree, name, filename, raw=raw, defer_init=defer_init)
+
+    def is_safe_attribute(self, obj, attr, value):
+        # a metered str.format is the sandbox's own machinery: nothing on it is a template's
+        return not isinstance(obj, MeteredStrFormat) and super().is_safe_attribute(
+            obj, attr, value)
 
     def call_binop(self, context, operator, left, right):
         meter = meter_of(context)
@@ -123,7 +131,7 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         meter.step(MACRO_STEPS if isinstance(__obj, Macro) else 1)
         __obj = __self.wrap_str_format(__obj) or __obj   # jinja2 < 3.1.5 hands the method itself
         if isinstance(__obj, MeteredStrFormat):
-            return __obj._run(meter, args, kwargs)
+            return __obj.run(meter, args, kwargs)
         if isinstance(__obj, LoopContext) and args:   # loop(children) in a recursive loop
             args = (meter.iterate(args[0]),) + args[1:]
         owner = getattr(__obj, "__self__", None)
@@ -156,18 +164,18 @@ class TemplateNamespace(Namespace):
         self, args = args[0], args[1:]
         attributes = dict(*args, **kwargs)
         for name in attributes:
-            TemplateNamespace._check_name(name)
+            _check_namespace_name(name)
         Namespace.__init__(self, attributes)
 
     def __setitem__(self, name, value):
-        TemplateNamespace._check_name(name)
+        _check_namespace_name(name)
         Namespace.__setitem__(self, name, value)
 
-    @staticmethod
-    def _check_name(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"A chat template may not store the underscore-prefixed attribute "
-                                f"{name!r} on a namespace. Fix: rename it in the template.")
+
+def _check_namespace_name(name):
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"A chat template may not store the underscore-prefixed attribute "
+                            f"{name!r} on a namespace. Fix: rename it in the template.")
 
 
 class _Metering(NodeTransformer):
@@ -410,7 +418,7 @@ class MeteredStrFormat:
     def __call__(self, *args, **kwargs):
         raise SecurityError("str.format reached outside a template's own calls.")
 
-    def _run(self, meter, args, kwargs):   # underscored: out of a template's reach
+    def run(self, meter, args, kwargs):   # out of a template's reach: is_safe_attribute
         if self._is_format_map:
             if kwargs or len(args) != 1:
                 raise TypeError("format_map() takes exactly one argument")
