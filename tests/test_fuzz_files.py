@@ -192,26 +192,20 @@ def attempt(load, path):
         return e
 
 
-@pytest.mark.slow  # ~3 s: 360 damaged files opened, each also by the format's own reader
-def test_damaged_gguf_files_load_as_the_original_or_are_refused_naming_the_file(tmp_path):
-    source = tmp_path / "tiny.gguf"
-    write_gguf(source)
+def fuzz(tmp_path, kind, source, load, content_bytes, reference_of):
+    """Loads each damaged copy of `source` and judges it; returns how many ended each way."""
     original_bytes = source.read_bytes()
-    original = load_gguf(str(source))
-    content, data_start = gguf_content_bytes(str(source))
+    original = load(str(source))
+    content, data_start = content_bytes(str(source))
     rng = np.random.default_rng(48)
     outcomes = {"refused": 0, "same": 0, "content": 0}
     for i, (description, data, at) in enumerate(damaged_copies(original_bytes, data_start, rng)):
-        path = str(tmp_path / f"copy{i}.gguf")
+        path = str(tmp_path / f"copy{i}{source.suffix}")
         with open(path, "wb") as f:
             f.write(data)
-        outcome = attempt(load_gguf, path)
-
-        def reference():
-            metadata, raw = gguf_reference(path)
-            return equal(outcome["metadata"], metadata) and equal(outcome["raw"], raw)
-
-        check("GGUF", description, path, outcome, original, content, reference, at)
+        outcome = attempt(load, path)
+        check(kind, description, path, outcome, original, content,
+              lambda: reference_of(outcome, path), at)
         outcomes["refused" if isinstance(outcome, ConfigError) else
                  "same" if equal(outcome, original) else "content"] += 1
         os.remove(path)
@@ -219,24 +213,22 @@ def test_damaged_gguf_files_load_as_the_original_or_are_refused_naming_the_file(
     assert outcomes["refused"] > N_CUTS and outcomes["content"] < N_FLIPS // 3, outcomes
 
 
+def gguf_read_as_the_reference(outcome, path):
+    metadata, raw = gguf_reference(path)
+    return equal(outcome["metadata"], metadata) and equal(outcome["raw"], raw)
+
+
+@pytest.mark.slow  # ~3 s: 360 damaged files opened, each also by the format's own reader
+def test_damaged_gguf_files_load_as_the_original_or_are_refused_naming_the_file(tmp_path):
+    source = tmp_path / "tiny.gguf"
+    write_gguf(source)
+    fuzz(tmp_path, "GGUF", source, load_gguf, gguf_content_bytes, gguf_read_as_the_reference)
+
+
 @pytest.mark.slow
 def test_damaged_safetensors_files_load_as_the_original_or_are_refused_naming_the_file(
         tmp_path):
     source = tmp_path / "tiny.safetensors"
     write_safetensors(source)
-    original_bytes = source.read_bytes()
-    original = load_safetensors(str(source))
-    content, header_end = safetensors_content_bytes(str(source))
-    rng = np.random.default_rng(48)
-    outcomes = {"refused": 0, "same": 0, "content": 0}
-    for i, (description, data, at) in enumerate(damaged_copies(original_bytes, header_end, rng)):
-        path = str(tmp_path / f"copy{i}.safetensors")
-        with open(path, "wb") as f:
-            f.write(data)
-        outcome = attempt(load_safetensors, path)
-        check("safetensors", description, path, outcome, original, content,
-              lambda: equal(outcome, safetensors_reference(path)), at)
-        outcomes["refused" if isinstance(outcome, ConfigError) else
-                 "same" if equal(outcome, original) else "content"] += 1
-        os.remove(path)
-    assert outcomes["refused"] > N_CUTS and outcomes["content"] < N_FLIPS // 3, outcomes
+    fuzz(tmp_path, "safetensors", source, load_safetensors, safetensors_content_bytes,
+         lambda outcome, path: equal(outcome, safetensors_reference(path)))
