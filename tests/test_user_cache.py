@@ -103,6 +103,7 @@ def cache_entries(directory):
             {n[:-len("-atime")] for n in names if n.endswith("-atime")})
 
 
+@pytest.mark.slow  # two processes, 11 s
 def test_entries_of_an_environment_without_filelock_are_repaired_once_and_evicted(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
