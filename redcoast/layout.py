@@ -20,6 +20,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import compiler_options
 from .cost_model import choose, estimate, format_table
 from .errors import ConfigError
 from .flops import traced_flops
@@ -219,13 +220,16 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
                                            plan.compute_shardings(), mesh, guard_plan)
         grad_step = jax.jit(lambda state, batch, rng: loss_and_grad(state, state.params, batch, rng),
                             in_shardings=(state_shardings, rows, replicated),
-                            out_shardings=(replicated, replicated, state_shardings.params))
+                            out_shardings=(replicated, replicated, state_shardings.params),
+                            compiler_options=compiler_options.for_mesh(mesh))
     else:  # the user's own step differentiates itself: its grouped convolutions (forward and
         # backward) are guarded as they come (sharding/grouped_conv.py)
         step_fn = guard_grouped_convs(_returning_state_and_metrics(recipe.train_step_fn), mesh)
     batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, "dp"))
+    # remat honoured on XLA:CPU too (compiler_options.py)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
-                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+                         out_shardings=(state_shardings, replicated), donate_argnums=(0,),
+                         compiler_options=compiler_options.for_mesh(mesh))
     eval_step = jax.jit(make_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings()),
                         in_shardings=(state_shardings, rows, rows, replicated),
                         out_shardings=replicated)

@@ -269,3 +269,39 @@ def test_kv_kept_by_groups_are_stored_split_over_every_model_shard():
     got = ungrouped_storage([kv, narrow, user], n_model_shards=8)
     assert [pl.spec for pl in got] == [P(None, "mp"), P(None, "mp:4"), P(None, "mp:4")]
     assert ungrouped_storage([kv], n_model_shards=1)[0].spec == P(None, "mp:4")
+
+
+# -- FSDP at long context (issue 46): what a layer keeps for the backward pass ----------------
+
+LONG_CONTEXT_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=1024)
+
+
+def _long_context_temporaries(seq_len=512, **overrides):
+    """The compiler's temporaries (bytes a device) of a small Llama's FSDP step over 8
+    devices at ``seq_len`` tokens, one row a device: at this length attention's scores dwarf
+    the weights, so what the step keeps of each layer shows."""
+    from redcoast.models import model_from_config
+    model, abstract = model_from_config(LONG_CONTEXT_LLAMA, config_overrides=overrides or None)
+
+    def lm_loss(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    deployer = Deployer(n_model_shards=1, verbose=False)
+    trainer = Trainer(deployer, lambda rows: rows, model.apply, lm_loss, abstract,
+                      optax.adamw(1e-3), fsdp=True)
+    ids = jax.ShapeDtypeStruct((deployer.n_data_shards, seq_len + 1), jnp.int32)
+    return trainer.compile_train_step({"ids": ids}).memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow  # two compilations of an 8-device step: 15 s each on 2 busy cores
+def test_remat_keeps_one_layer_of_attention_on_the_cpu_stand_in():
+    # XLA:CPU (redcoast plan's stand-in) merged the recomputed forward pass back into the
+    # forward pass (compiler_options.py): every layer's scores were kept, remat or not
+    kept = _long_context_temporaries()
+    rematerialised = _long_context_temporaries(remat=True)
+    scores = 4 * 512 * 512 * 4  # one layer's attention probabilities, float32, one row
+    assert kept > 4 * scores  # every layer's scores at least once
+    assert rematerialised < 0.5 * kept

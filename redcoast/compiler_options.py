@@ -1,0 +1,25 @@
+"""The XLA options redcoast compiles a training step with, per platform.
+
+XLA:CPU removes the optimization barriers that ``jax.checkpoint`` (remat) puts around the
+recomputed forward pass (its pass ``cse_barrier_expander`` runs early in the CPU pipeline), and
+its common-subexpression elimination then merges the recomputation back into the forward pass:
+every layer's activations are kept for the backward pass, as without remat. Measured (jax
+0.10.2): four rematerialised attention layers at 4096 tokens, 24.9 GiB of temporaries, as
+without remat (24.8); with the pass off, 6.4 GiB (one layer's scores), and Llama-3-8B FSDP over
+8 simulated devices at 4096 tokens with remat 66 GiB a device instead of 221. XLA:GPU and
+the TPU compiler keep the barriers until after scheduling, as XLA:CPU then does: the step
+computes the same numbers (bit for bit, measured), recomputing what remat asks for.
+"""
+
+CPU_REMAT_KEPT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def for_platform(platform):
+    """The ``compiler_options`` of ``jax.jit`` for a step compiled for ``platform``'s devices
+    ('cpu', 'gpu', 'tpu', ...): on XLA:CPU, remat's barriers kept (:data:`CPU_REMAT_KEPT`)."""
+    return dict(CPU_REMAT_KEPT) if platform == "cpu" else {}
+
+
+def for_mesh(mesh):
+    """:func:`for_platform` of the devices of ``mesh`` (a ``jax.sharding.Mesh``)."""
+    return for_platform(mesh.devices.flat[0].platform)
