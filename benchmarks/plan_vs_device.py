@@ -62,7 +62,7 @@ def cpu_plan(args, device_memory):
     from redcoast.plan import plan
     import dataclasses
     return dataclasses.asdict(plan(args.config, devices=1, device_memory=device_memory,
-                                   seq_len=args.seq_len, remat=False,
+                                   seq_len=args.seq_len, remat=False, scan_layers=False,
                                    per_device_batch_size=args.per_device_batch_size))
 
 
@@ -75,7 +75,8 @@ def gpu_plan(config, target, seq_len, per_device_batch_size, device_memory):
         done = subprocess.run(
             [sys.executable, "-m", "redcoast", "plan", config, "--devices", "1", "--device-memory",
              str(device_memory), "--seq-len", str(seq_len), "--per-device-batch-size",
-             str(per_device_batch_size), "--no-remat", "--target", target, "--json", out,
+             str(per_device_batch_size), "--no-remat", "--no-scan-layers", "--target", target,
+             "--json", out,
              "--quiet"], capture_output=True, text=True,
             env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
         if done.returncode:

@@ -8,10 +8,15 @@ through libtpu and ``jax.experimental.topologies``: ``--target tpu-v4``; NVIDIA 
 JAX's CUDA plugin and a description of the GPU, redcoast/gpu_targets.py: ``--target h100``,
 ``h200``, ``a100``, ``a100-40gb``), else simulated on this machine's CPU (XLA:CPU's buffer
 assignment stands in for the target compiler's); the record says which. A compiler that
-refuses the step for memory gives the verdict too (DOES NOT FIT, with what it asked for). The per-device memory is split into what the layout
-holds (parameters, optimizer state, gradients) and the compiler's temporaries; the peak is the
-compiler's. When the step does not fit, the same is tried with each layer rematerialised, and
-what would fit is suggested.
+refuses the step for memory gives the verdict too (DOES NOT FIT, with what it asked for). The
+per-device memory is split into what the layout holds (parameters, optimizer state, gradients)
+and the compiler's temporaries; the peak is the compiler's.
+
+The layout is searched as a user would choose it (plan_search.py): the number of model shards,
+remat on or off, layers scanned or unrolled, ranked by an estimated step time and compiled in
+that order until one fits; the record keeps every layout searched and why each lost. Flags pin
+a choice. When nothing fits, what would is computed: how many devices, bfloat16, Adafactor, the
+longest sequence.
 
     redcoast plan path/to/config.json --devices 4 --device-memory 40GiB --seq-len 1024
 """
@@ -28,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from . import gpu_targets
+from . import gpu_targets, plan_search
 
 SEQ2SEQ = ("t5", "bart")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -37,6 +42,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 class PlanError(ValueError):
     """A plan asked for what cannot be planned here; the message says how to ask instead."""
+
+
+class CompileFailure(PlanError):
+    """The compiler failed on one layout's step for a reason other than memory."""
 
 
 @dataclasses.dataclass
@@ -65,13 +74,19 @@ class PlanRecord:
     compiler: str
     host_memory_bytes: int = 0   # this planning process's peak resident memory
     scan_layers: bool = False    # the layers stacked and run by a scan (one traced layer)
-    tried: list = dataclasses.field(default_factory=list)   # earlier attempts: (what, peak)
+    tried: list = dataclasses.field(default_factory=list)   # other compiles: (what, peak)
     suggestions: list = dataclasses.field(default_factory=list)
+    examples_per_step: int = 0        # the global batch: per-device batch x data shards
+    est_step_seconds: float = 0.0     # plan_search's estimate, not a measurement
+    est_mfu: float | None = None      # model FLOPs over the estimated time and the peak
+    estimate_basis: str = ""          # the peak and links the estimate assumed, with sources
+    candidates: list = dataclasses.field(default_factory=list)  # every layout searched (dicts)
 
     def table(self):
         """The record as the CLI prints it."""
         gib = lambda n: f"{n / 2**30:8.2f} GiB"  # noqa: E731
-        rows = [("model", f"{self.model_type}, {self.n_params / 1e9:.2f} B parameters ({self.config})"),
+        rows = [("model", f"{self.model_type}, {self.n_params / 1e9:.2f} B parameters "
+                          f"({self.config})"),
                 ("target", f"{self.devices} devices on {self.hosts} host(s), "
                            f"{self.device_memory_bytes / 2**30:.1f} GiB each"),
                 ("run", f"seq {self.seq_len}, {self.per_device_batch_size} per data shard, "
@@ -89,9 +104,27 @@ class PlanRecord:
                 ("FLOPs per device", f"{self.flops_per_device / 1e12:.2f} TFLOP per step"),
                 ("compile", f"{self.compile_seconds:.0f} s, {self.compiler}"),
                 ("host memory", f"{self.host_memory_bytes / 2**30:.2f} GiB peak (this process)")]
-        rows += [("tried", f"{what}: peak {n / 2**30:.2f} GiB") for what, n in self.tried]
+        if self.est_step_seconds:
+            rows.append(("est. step time", f"{plan_search.seconds(self.est_step_seconds)} for "
+                         f"{self.examples_per_step} examples"
+                         + (f", MFU {self.est_mfu:.0%}" if self.est_mfu is not None else "")
+                         + " (an estimate: FLOPs over the peak, bytes over the links)"))
         rows += [("suggestion", s) for s in self.suggestions]
-        return "\n".join(f"{k:<18}{v}" for k, v in rows)
+        text = "\n".join(f"{k:<18}{v}" for k, v in rows)
+        return text + ("\n\n" + candidates_table(self.candidates) if self.candidates else "")
+
+
+def candidates_table(candidates):
+    """The layouts searched, one line each: peak, verdict, estimated step time, why it lost."""
+    lines = [f"{'layout searched':<24}{'remat':<6}{'scan':<5}{'peak/dev':>10}  {'verdict':<14}"
+             f"{'est. step':>10}{'ex./step':>9}  why"]
+    for c in candidates:
+        peak = "-" if c["peak_bytes"] is None else plan_search.size_text(c["peak_bytes"])
+        lines.append(f"{c['layout'].split(',')[0]:<24}{'yes' if c['remat'] else 'no':<6}"
+                     f"{'yes' if c['scan'] else 'no':<5}{peak:>10}  {c['status']:<14}"
+                     f"{plan_search.seconds(c['est_step_seconds']):>10}"
+                     f"{c['examples_per_step']:>9}  {c['why']}")
+    return "\n".join(lines)
 
 
 def parse_bytes(text):
@@ -165,7 +198,8 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
         n_params=int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))),
         devices=devices, hosts=hosts, device_memory_bytes=device_memory, seq_len=seq_len,
         per_device_batch_size=per_device_batch_size, param_dtype=str(param_dtype),
-        optimizer=optimizer, remat=remat, scan_layers=scan_layers, layout="", params_bytes=0, optimizer_bytes=0,
+        optimizer=optimizer, remat=remat, scan_layers=scan_layers, layout="", params_bytes=0,
+        optimizer_bytes=0,
         gradient_bytes=0, temporary_bytes=0, per_device_peak_bytes=0, fits=False,
         flops_per_device=0.0, compile_seconds=0.0, compiler="")
     _hold_state(record, trainer)  # as first placed (from the shapes, FSDP on): no compiling yet
@@ -182,10 +216,11 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     except jax.errors.JaxRuntimeError as e:  # e.g. the TPU compiler refuses a step over its memory
         refusal = compiler_refusal(e)
         if refusal is None:
-            raise PlanError(
+            raise CompileFailure(
                 f"{compiler} failed to compile the training step of {config} (dp="
                 f"{deployer.n_data_shards} x mp={shards}, seq {seq_len}, {param_dtype}, "
-                f"{optimizer}{', remat' if remat else ''}{', layers scanned' if scan_layers else ''}): "
+                f"{optimizer}{', remat' if remat else ''}"
+                f"{', layers scanned' if scan_layers else ''}): "
                 f"{str(e).strip().splitlines()[0]}. This is the compiler's error, no verdict on "
                 "memory. Fix: report it with this command; --target cpu plans with XLA:CPU "
                 "standing in.") from e
@@ -268,10 +303,10 @@ def _target(target, devices, hosts):
 
 def _check_scannable(model_type):
     """A clear error when redcoast's model of ``model_type`` cannot run its layers by a scan."""
-    from .models.pretrained import family_of
-    if "scan_layers" not in {f.name for f in dataclasses.fields(family_of(model_type).Config)}:
+    if not _scannable(model_type):
         raise PlanError(f"--scan-layers: redcoast's {model_type} model runs its layers unrolled "
-                        "(layers stacked for a scan: the Llama, OPT and T5 families). Fix: plan without "
+                        "(layers stacked for a scan: the families with scan_layers in their "
+                        "Config). Fix: plan without "
                         "--scan-layers.")
 
 
@@ -293,39 +328,52 @@ def _config_file(config):
     return config_path(config)
 
 
-def _suggest(record):
-    """What would fit, when the step does not."""
-    state_bytes = record.params_bytes + record.optimizer_bytes + record.gradient_bytes
-    out = []
-    if state_bytes > record.device_memory_bytes:
-        total = state_bytes * record.devices
-        need = math.ceil(total / (0.8 * record.device_memory_bytes))
-        out.append(f"the training state alone ({total / 2**30:.0f} GiB in all) needs at least "
-                   f"{need} devices of this memory, split over all of them")
-        if record.optimizer == "adamw":
-            out.append("--optimizer adafactor (factored second moments) shrinks the optimizer state")
-        if record.param_dtype == "float32":
-            out.append("--param-dtype bfloat16 halves parameters, gradients and optimizer state")
-    else:
-        out.append("a shorter --seq-len or a smaller --per-device-batch-size (the temporaries "
-                   "grow with tokens per device)")
-        if not record.remat:
-            out.append("--remat (each layer recomputed in the backward pass)")
-    return out
+def _scannable(model_type):
+    """Whether redcoast's model of ``model_type`` can stack its layers and scan them."""
+    from .models.pretrained import family_of
+    return "scan_layers" in {f.name for f in dataclasses.fields(family_of(model_type).Config)}
+
+
+def _model_shape(config, param_dtype, scannable):
+    """``(ModelShape, abstract parameters)`` of the model of ``config``, for the estimate and
+    the suggestions (built scanned where it can be: faster to build, the same parameters)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from .config_file import read_model_config
+    from .models.pretrained import model_from_config
+    fields = read_model_config(config)
+    _, abstract = model_from_config(config, param_dtype=jnp.dtype(param_dtype),
+                                    config_overrides={"scan_layers": True} if scannable else None)
+    n_params = int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract)))
+    hidden = next(fields[k] for k in ("hidden_size", "n_embd", "d_model") if k in fields)
+    depth = [fields.get(k) or 0 for k in ("num_hidden_layers", "n_layer", "num_layers",
+                                         "encoder_layers", "decoder_layers",
+                                         "num_decoder_layers")]
+    shape = plan_search.ModelShape(n_params, max(1, sum(depth)), int(hidden),
+                                   np.dtype(param_dtype).itemsize)
+    return shape, abstract
+
+
+def _rates(target, param_dtype):
+    kind = gpu_targets.description(target)["device_kind"] if target in gpu_targets.names() else None
+    return plan_search.rates_for(target, param_dtype, kind)
 
 
 def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_size=1,
          param_dtype="float32", optimizer="adamw", model_shards=None, remat=None, target="cpu",
-         scan_layers=False):
+         scan_layers=None):
     """A :class:`PlanRecord` for training the model of ``config`` (a config.json or a folder)
-    on ``devices`` devices of ``device_memory`` bytes (or a size like '40GiB'). ``model_shards``:
-    default the devices of one host (tensor parallel within a host, FSDP across). ``remat``:
-    None tries without, then with each layer rematerialised if the first does not fit.
-    ``target``: "cpu" compiles for simulated CPU devices, standing in for the target's
-    compiler; "tpu-v4" with the TPU compiler for a TPU v4 slice of ``devices`` chips (libtpu
-    installed; no TPU needed). ``scan_layers``: the model's layers stacked and run by a scan,
-    so that the compiler sees one layer (Llama, OPT and T5 families; the run must use the same
-    setting).
+    on ``devices`` devices of ``device_memory`` bytes (or a size like '40GiB'): the fastest
+    layout by estimate that the compiler says fits (plan_search.py), with every layout searched
+    in ``candidates``. ``model_shards``, ``remat``, ``scan_layers``: None searches (the model
+    shards dividing a host's devices; remat off and on; layers scanned and unrolled where the
+    family can scan: Llama, OPT, T5 and whichever else has ``scan_layers`` in its Config), a
+    value pins it (the run must use the same settings). ``target``: "cpu" compiles for
+    simulated CPU devices, standing in for the target's compiler; "tpu-v4" with the TPU
+    compiler for a TPU v4 slice of ``devices`` chips (libtpu installed; no TPU needed); a GPU
+    of redcoast/targets (``h100``, ...) with the GPU compiler (JAX's CUDA plugin; no GPU needed).
 
     For "cpu", runs in a fresh process when this one does not have ``devices`` CPU devices
     (at most MAX_SIMULATED_DEVICES there; simulate more in this process first). Every argument
@@ -337,28 +385,103 @@ def plan(config, *, devices, hosts=1, device_memory, seq_len, per_device_batch_s
         device_memory = int(device_memory)
     _check_request(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
                    param_dtype, optimizer, model_shards)
+    model_type = json.load(open(_config_file(config))).get("model_type")
+    if scan_layers:
+        _check_scannable(model_type)
     import jax
     # simulated CPU devices must be this process's own; a TPU slice's are described, any process
     if target == "cpu" and (jax.device_count() != devices or jax.devices()[0].platform != "cpu"):
         from .simulate import MAX_SIMULATED_DEVICES, simulation_cost
         if devices > MAX_SIMULATED_DEVICES:
-            raise PlanError(f"devices={devices}: planning them would start {simulation_cost(devices)}. "
+            raise PlanError(f"devices={devices}: planning them would start "
+                            f"{simulation_cost(devices)}. "
                             f"Fix: at most {MAX_SIMULATED_DEVICES} devices, `redcoast plan "
                             "--allow-many`, or simulate_cpu_devices(devices) in this process "
                             "before JAX starts, then plan().")
         return _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
                               param_dtype, optimizer, model_shards, remat, target, scan_layers)
-    args = (config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
-            optimizer, model_shards)
-    record = _attempt(*args, remat=bool(remat), target=target, scan_layers=scan_layers)
-    if not record.fits and remat is None and record.compile_seconds:  # remat frees temporaries
-        retry = _attempt(*args, remat=True, target=target, scan_layers=scan_layers)
-        retry.tried = [("without remat", record.per_device_peak_bytes)]
-        record = retry
+    scannable = _scannable(model_type)
+    shape, abstract = _model_shape(config, param_dtype, scannable)
+    rates = _rates(target, param_dtype)
+    run = plan_search.Run(devices, hosts, seq_len, per_device_batch_size)
+    cands = plan_search.candidates(devices, hosts, model_shards, remat, scan_layers, scannable)
+    estimates = [plan_search.estimate(c, shape, run, rates) for c in cands]
+
+    def attempt(c, seq=seq_len):
+        return _attempt(config, devices, hosts, device_memory, seq, per_device_batch_size,
+                        param_dtype, optimizer, c.model_shards, c.remat, target, c.scan)
+    outcomes, chosen = plan_search.search(cands, estimates, attempt, devices,
+                                          is_failure=_candidates_own_failure)
+    if all(o.record is None for o in outcomes):  # no verdict at all: the first error says why
+        error = next(o.error for o in outcomes if o.error is not None)
+        if isinstance(error, PlanError):
+            raise error
+        raise PlanError(f"redcoast could not build the training step of {config} for any "
+                        f"layout searched; the first ({outcomes[0].candidate.describe(devices)}) "
+                        f"failed with {type(error).__name__}: {error}. Fix: report it with this "
+                        "command; --model-shards, --remat, --scan-layers pin another layout."
+                        ) from error
+    best = outcomes[chosen] if chosen is not None else plan_search.smallest(outcomes)
+    record = best.record
+    record.candidates = [_candidate_row(o, devices, rates) for o in outcomes]
+    record.tried = [(o.candidate.describe(devices), o.record.per_device_peak_bytes)
+                    for o in outcomes if o.compiled and o is not best]
+    record.examples_per_step = best.estimate.examples
+    record.est_step_seconds = best.estimate.seconds
+    record.est_mfu = best.estimate.mfu if rates.peak_known else None
+    record.estimate_basis = rates.source
     if not record.fits:
-        record.suggestions = _suggest(record)
+        record.suggestions = _suggest(record, best, abstract, attempt, model_shards, remat,
+                                      scan_layers, scannable)
     record.host_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return record
+
+
+def _candidates_own_failure(error):
+    """Whether ``error`` is one layout's own (a compiler error, or redcoast failing to build that
+    layout's step), which costs that candidate, not the plan; any other PlanError (a target
+    that cannot be planned) stops the search."""
+    return isinstance(error, CompileFailure) or not isinstance(error, PlanError)
+
+
+def _candidate_row(outcome, devices, rates):
+    """One searched layout as the record keeps it (JSON-ready)."""
+    c, e, r = outcome.candidate, outcome.estimate, outcome.record
+    return {"layout": c.describe(devices), "model_shards": c.model_shards, "remat": c.remat,
+            "scan": c.scan, "status": outcome.status,
+            "peak_bytes": None if r is None else r.per_device_peak_bytes,
+            "compiled": outcome.compiled, "est_step_seconds": e.seconds,
+            "examples_per_step": e.examples,
+            "est_mfu": e.mfu if rates.peak_known else None, "why": outcome.why}
+
+
+def _suggest(record, best, abstract, attempt, model_shards, remat, scan_layers, scannable):
+    """What would fit, computed (plan_search.suggest): the state and temporaries of the plan
+    that came closest, Adafactor's state from the shapes, and, where that plan compiled, its
+    temporaries compiled again at half the sequence to see how they scale."""
+    import jax
+    import numpy as np
+    import optax
+    ada = jax.eval_shape(optax.adafactor(1e-5).init, abstract)
+    ada_bytes = int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                        for x in jax.tree_util.tree_leaves(ada)))
+    half = None
+    if best.compiled and record.seq_len >= 2:
+        again = attempt(best.candidate, record.seq_len // 2)
+        half = again.temporary_bytes if again.compile_seconds else None
+    per_host = record.devices // record.hosts
+    larger = tuple(d for d in range(best.candidate.model_shards + 1, per_host + 1)
+                   if per_host % d == 0) if model_shards else ()
+    shortfall = plan_search.Shortfall(
+        params=record.params_bytes, optimizer=record.optimizer_bytes,
+        gradients=record.gradient_bytes,
+        temporaries=record.temporary_bytes if best.compiled else None,
+        memory=record.device_memory_bytes, devices=record.devices, hosts=record.hosts,
+        seq_len=record.seq_len, model_shards=best.candidate.model_shards,
+        param_dtype=record.param_dtype, optimizer_name=record.optimizer,
+        adafactor_bytes=ada_bytes, half_seq_temporaries=half, larger_shards=larger,
+        remat_pinned_off=remat is False, scan_pinned_off=scan_layers is False and scannable)
+    return plan_search.suggest(shortfall)
 
 
 def _check_request(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
@@ -373,7 +496,8 @@ def _check_request(config, devices, hosts, device_memory, seq_len, per_device_ba
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"{name}={value!r}: it must be a whole number, at least 1. Fix: "
-                            + ("a size like '40GiB' or a number of bytes." if name == "device_memory"
+                            + ("a size like '40GiB' or a number of bytes."
+                               if name == "device_memory"
                                else "a positive count."))
     if devices % hosts:
         raise PlanError(f"devices={devices} on hosts={hosts}: every host holds as many devices, "
@@ -406,13 +530,14 @@ def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_ba
             command += ["--model-shards", str(model_shards)]
         if remat is not None:
             command += ["--remat" if remat else "--no-remat"]
-        if scan_layers:
-            command += ["--scan-layers"]
+        if scan_layers is not None:
+            command += ["--scan-layers" if scan_layers else "--no-scan-layers"]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env["JAX_PLATFORMS"] = "cpu"
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"redcoast plan failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"redcoast plan failed:\n{done.stdout[-3000:]}\n"
+                               f"{done.stderr[-3000:]}")
         with open(out) as f:
             return PlanRecord(**json.load(f))
 
@@ -437,13 +562,16 @@ def main(argv):
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor", "sgd"])
     parser.add_argument("--model-shards", type=positive_int,
-                        help="a divisor of --devices; default: the devices of one host")
+                        help="a divisor of --devices; default: searched over the divisors of "
+                        "a host's devices")
     parser.add_argument("--remat", action="store_true", default=None,
-                        help="each layer rematerialised (default: tried if the step does not fit)")
+                        help="each layer rematerialised (default: searched, off and on)")
     parser.add_argument("--no-remat", dest="remat", action="store_false")
-    parser.add_argument("--scan-layers", action="store_true",
+    parser.add_argument("--scan-layers", action="store_true", default=None,
                         help="the layers stacked and run by a scan: one layer compiled whatever "
-                        "their number (Llama, OPT and T5 families; train with scan_layers=True too)")
+                        "their number (families with scan_layers in their Config; train with "
+                        "scan_layers=True too). Default: tried where the family can")
+    parser.add_argument("--no-scan-layers", dest="scan_layers", action="store_false")
     parser.add_argument("--target", default="cpu", choices=TARGETS,
                         help="whose compiler gives the memory: 'cpu' (default) simulated CPU "
                         "devices standing in; 'tpu-v4' the TPU compiler for a v4 slice (needs "

@@ -25,10 +25,12 @@ def tiny_config(tmp_path):
 
 
 def test_a_plan_holds_at_least_the_state_its_layout_must_hold(tiny_config):
-    record = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32)
+    # tensor parallel within a host, FSDP across; remat and scan searched
+    record = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32,
+                  model_shards=4, scan_layers=False)
     # embedding + head, 2 layers of (q, o; k, v at 4 of 8 heads; gate, up, down; 2 norms), a norm
     assert record.n_params == 2 * 128 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
-    assert record.layout.startswith("dp=2 x mp=4")  # tensor parallel within a host, FSDP across
+    assert record.layout.startswith("dp=2 x mp=4")
     state = record.params_bytes + record.optimizer_bytes + record.gradient_bytes
     # Adam's two moments, placed alike, and its step count
     assert 0 <= record.optimizer_bytes - 2 * record.params_bytes <= 8
@@ -37,39 +39,49 @@ def test_a_plan_holds_at_least_the_state_its_layout_must_hold(tiny_config):
     assert record.params_bytes == 4 * record.n_params / 8
     assert record.per_device_peak_bytes >= state - record.gradient_bytes
     assert record.fits and not record.remat and not record.suggestions
+    # the search: without remat is faster by estimate and fits, so remat is not compiled
+    assert [(c["remat"], c["status"]) for c in record.candidates] == [(False, "FITS"),
+                                                                     (True, "not compiled")]
+    assert record.examples_per_step == 2 and record.est_step_seconds > 0
+    assert "which fits" in record.candidates[1]["why"] and "estimated" in record.table()
 
 
 def test_a_plan_that_does_not_fit_says_what_would(tiny_config):
-    # the state fits 400 kB, the step's temporaries do not: compiled, then remat tried
-    record = plan(tiny_config, devices=8, hosts=1, device_memory=400_000, seq_len=64)
+    # the state fits 400 kB, the step's temporaries do not: compiled, remat tried too
+    record = plan(tiny_config, devices=8, hosts=1, device_memory=400_000, seq_len=64,
+                  model_shards=4, scan_layers=False)
     assert record.params_bytes + record.optimizer_bytes + record.gradient_bytes < 400_000
     assert not record.fits and record.compile_seconds > 0
-    assert record.remat and record.tried[0][0] == "without remat"
-    assert record.tried[0][1] > record.per_device_peak_bytes  # remat needs less
-    assert any("--seq-len" in s for s in record.suggestions)
+    assert record.remat and record.tried[0][0] == "dp=2 x mp=4"  # without remat: more memory
+    assert record.tried[0][1] > record.per_device_peak_bytes
+    assert [c["status"] for c in record.candidates] == ["DOES NOT FIT"] * 2
+    # the sequence from how the temporaries scaled between 64 and 32 tokens
+    assert any(s.startswith("--seq-len") and "between the compiles at 64 and 32" in s
+               for s in record.suggestions), record.suggestions
     # the state alone does not fit 20 kB: nothing compiled, more devices suggested
-    record = plan(tiny_config, devices=8, hosts=1, device_memory=20_000, seq_len=64)
+    record = plan(tiny_config, devices=8, hosts=1, device_memory=20_000, seq_len=64,
+                  model_shards=4, scan_layers=False)
     assert not record.fits and record.compile_seconds == 0 and "not compiled" in record.compiler
-    assert any("devices of this memory" in s for s in record.suggestions)
+    assert record.candidates[1]["why"].startswith("the training state alone exceeds")
+    assert any("devices of this memory (" in s for s in record.suggestions)
 
 
 def test_a_plan_with_layers_scanned_holds_the_same_state(tiny_config):
-    unrolled = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32)
-    scanned = plan(tiny_config, devices=8, hosts=2, device_memory="64MiB", seq_len=32,
-                   scan_layers=True)
+    ask = dict(devices=8, hosts=2, device_memory="64MiB", seq_len=32, model_shards=4, remat=False)
+    unrolled = plan(tiny_config, scan_layers=False, **ask)
+    scanned = plan(tiny_config, scan_layers=True, **ask)
     assert scanned.scan_layers and "layers scanned" in scanned.table()
     assert (scanned.n_params, scanned.layout) == (unrolled.n_params, unrolled.layout)
     for field in ("params_bytes", "optimizer_bytes", "gradient_bytes"):
         assert getattr(scanned, field) == getattr(unrolled, field), field
 
 
-def test_a_family_that_runs_its_layers_unrolled_cannot_plan_them_scanned(tmp_path):
-    gpt2 = tmp_path / "gpt2.json"
-    gpt2.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128,
-                                "n_positions": 64}))
+def test_a_family_that_runs_its_layers_unrolled_cannot_plan_them_scanned(tiny_config,
+                                                                          monkeypatch):
+    import redcoast.plan
+    monkeypatch.setattr(redcoast.plan, "_scannable", lambda model_type: False)
     with pytest.raises(PlanError, match="runs its layers unrolled"):
-        plan(str(gpt2), devices=8, device_memory="64MiB", seq_len=32, scan_layers=True)
+        plan(tiny_config, devices=8, device_memory="64MiB", seq_len=32, scan_layers=True)
 
 
 def test_libtpu_held_by_another_process_says_so(tiny_config, monkeypatch):

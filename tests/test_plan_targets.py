@@ -92,8 +92,10 @@ def test_a_gpu_server_holds_at_most_8_gpus_a_host(tiny_config):
 def test_a_gpu_server_is_planned_by_the_gpu_compiler_without_a_gpu(tiny_config):
     """8 H100s on 2 hosts described to XLA:GPU: the CPU stand-in's layout and state, the GPU
     compiler's memory."""
-    gpu = plan(tiny_config, devices=8, hosts=2, device_memory="80GiB", seq_len=32, target="h100")
-    cpu = plan(tiny_config, devices=8, hosts=2, device_memory="80GiB", seq_len=32)
+    ask = dict(devices=8, hosts=2, device_memory="80GiB", seq_len=32, model_shards=4,
+               remat=False, scan_layers=False)
+    gpu = plan(tiny_config, target="h100", **ask)
+    cpu = plan(tiny_config, **ask)
     assert gpu.compiler.startswith("the GPU compiler (XLA:GPU through jax-cuda")
     assert "8 x NVIDIA H100 80GB HBM3 (4 a host, compute capability 9.0)" in gpu.compiler
     assert gpu.layout == cpu.layout and gpu.layout.startswith("dp=2 x mp=4")
@@ -108,9 +110,9 @@ def test_a_step_over_a_gpus_memory_compiles_and_is_retried_with_remat(tiny_confi
     """XLA:GPU does not refuse a step too big (it warns and compiles): its memory analysis is
     the verdict, then the retry with remat (which fits this tiny model's step here)."""
     record = plan(tiny_config, devices=8, hosts=1, device_memory=400_000, seq_len=64,
-                  target="a100-40gb")
+                  target="a100-40gb", model_shards=8, scan_layers=False)
     assert "8 x NVIDIA A100-SXM4-40GB (8 a host, compute capability 8.0)" in record.compiler
-    assert record.tried[0][0] == "without remat" and record.tried[0][1] > 400_000
+    assert record.tried[0][0] == "dp=1 x mp=8" and record.tried[0][1] > 400_000
     assert record.remat and record.per_device_peak_bytes < record.tried[0][1]
     assert record.fits == (record.per_device_peak_bytes <= 400_000)
 
@@ -120,14 +122,16 @@ def test_a_compilers_refusal_is_does_not_fit_with_the_bytes_it_asked_for_then_re
     """Each try refused (old libtpu's wording, then jax 0.10's libtpu's): no crash, the verdict
     with what the compiler said one device needs, the retry with remat, what would fit."""
     from redcoast.trainer import Trainer
-    refusals = [TPU_REFUSAL_USED_OF, TPU_REFUSAL_LIBTPU_0_0_42]
+    # without remat, with remat, with remat at half the sequence (for the suggestions)
+    refusals = [TPU_REFUSAL_USED_OF, TPU_REFUSAL_LIBTPU_0_0_42, TPU_REFUSAL_USED_OF]
 
     def refuse(self, batch):
         raise jax.errors.JaxRuntimeError(refusals.pop(0))
     monkeypatch.setattr(Trainer, "compile_train_step", refuse)
-    record = plan(tiny_config, devices=8, hosts=2, device_memory="30GiB", seq_len=32)
+    record = plan(tiny_config, devices=8, hosts=2, device_memory="30GiB", seq_len=32,
+                  model_shards=4, scan_layers=False)
     # the whole need as the compiler said it (the state's arguments included), not state + it
-    assert record.tried == [("without remat", int(49.34 * GIB))]
+    assert record.tried == [("dp=2 x mp=4", int(49.34 * GIB))]
     assert record.remat and not record.fits and record.per_device_peak_bytes == int(38.64 * GIB)
     assert record.temporary_bytes == int(38.64 * GIB) - record.params_bytes - record.optimizer_bytes
     assert "refused the step" in record.compiler and "(38.64G)" in record.compiler
@@ -143,7 +147,36 @@ def test_any_other_compiler_error_is_named_with_the_config_and_target(tiny_confi
     with pytest.raises(PlanError, match=r"(?s)XLA:CPU on 8 simulated devices .* failed to compile "
                        rf"the training step of {tiny_config} \(dp=2 x mp=4, seq 32.*ptxas exited"
                        r".*no verdict on memory"):
-        plan(tiny_config, devices=8, hosts=2, device_memory="30GiB", seq_len=32)
+        plan(tiny_config, devices=8, hosts=2, device_memory="30GiB", seq_len=32, model_shards=4,
+             scan_layers=False)
+
+
+def test_a_layout_redcoast_fails_to_build_costs_that_candidate_not_the_plan(tiny_config,
+                                                                            monkeypatch):
+    """One layout's failure is an ERROR row, the next layout planned; when every layout fails,
+    a PlanError names the first failure and the fix."""
+    from redcoast.trainer import Trainer
+    compile_step = Trainer.compile_train_step
+
+    def fail_without_remat(self, batch):  # the first layout tried: without remat
+        if not calls:
+            calls.append(1)
+            raise ValueError("Resource axis: mp:4 of P(None, 'mp:4') is not found in mesh")
+        return compile_step(self, batch)
+    calls = []
+    monkeypatch.setattr(Trainer, "compile_train_step", fail_without_remat)
+    record = plan(tiny_config, devices=8, hosts=2, device_memory="1GiB", seq_len=32,
+                  model_shards=4, scan_layers=False)
+    assert [c["status"] for c in record.candidates] == ["ERROR", "FITS"]
+    assert record.candidates[0]["why"].startswith("Resource axis: mp:4") and record.remat
+
+    def fail(self, batch):
+        raise ValueError("Resource axis: mp:4 of P(None, 'mp:4') is not found in mesh")
+    monkeypatch.setattr(Trainer, "compile_train_step", fail)
+    with pytest.raises(PlanError, match=r"could not build the training step .* for any layout "
+                       r"searched; the first \(dp=2 x mp=4\) failed with ValueError: Resource"):
+        plan(tiny_config, devices=8, hosts=2, device_memory="1GiB", seq_len=32, model_shards=4,
+             scan_layers=False)
 
 
 
