@@ -1,5 +1,7 @@
 """The attention kernel chosen per call, and the numerics of the paths that run here."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,81 @@ def test_cudnn_matches_xla_on_a_gpu(masked):
     got = jax.jit(lambda: run("cudnn"))().astype(F32)
     # bf16 inputs, different summation order: bf16's resolution (2^-8) on values of size ~1
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+# -- blocked attention: XLA's, a block of queries at a time (issue 46) ---------------------------
+
+def _blocked_and_xla(q, k, v, block, **kwargs):
+    """``(blocked, xla)``: each as ``(output, gradients of q, k, v)`` of a weighted sum."""
+    from redcoast.models.attention import blocked_attention
+    weights = jax.random.normal(jax.random.PRNGKey(9), q.shape, q.dtype)
+
+    def run(attention):
+        f = lambda q, k, v: jnp.sum(attention(q, k, v) * weights)  # noqa: E731
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+    mask = kwargs.pop("mask", None)
+    causal, window = kwargs.pop("causal", False), kwargs.pop("window", None)
+    local = None if window is None else (window - 1, 0)
+    blocked = run(lambda q, k, v: blocked_attention(q, k, v, mask=mask, causal=causal,
+                                                    window=window, scale=0.3, block=block))
+    xla = run(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=0.3, is_causal=causal, local_window_size=local,
+        implementation="xla"))
+    return blocked, xla
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "padded rows", "one mask for all rows"])
+def test_blocked_attention_equals_xla_outputs_and_gradients(case):
+    # 40 queries in blocks of 16: the last block padded
+    q, k, v = _qkv(t=40)
+    kwargs = {"causal": dict(causal=True), "window": dict(causal=True, window=7)}.get(case, {})
+    if case == "padded rows":
+        valid = jnp.ones((2, 40), jnp.int32).at[1, :9].set(0)  # a left-padded row
+        slots = jnp.arange(40)
+        kwargs = dict(mask=attention_mask(slots, slots, valid))  # [B, 1, T, S]
+    if case == "one mask for all rows":
+        kwargs = dict(mask=jnp.arange(40)[None, None, None, :] % 3 != 0)  # [1, 1, 1, S]
+    (out, grads), (want_out, want_grads) = _blocked_and_xla(q, k, v, 16, **kwargs)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_attention_keeps_one_block_of_scores():
+    from redcoast.models.attention import blocked_attention
+    q, k, v = _qkv(t=1024, heads=4, kv_heads=1, head_dim=16)
+    runs = {"xla": lambda q: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                         implementation="xla"),
+            "blocked": lambda q: blocked_attention(q, k, v, causal=True, block=128)}
+    temporaries = {name: jax.jit(jax.grad(lambda q: jnp.sum(f(q) ** 2))).lower(q).compile()
+                   .memory_analysis().temp_size_in_bytes for name, f in runs.items()}
+    scores = 2 * 4 * 1024 * 1024 * 4  # float32 [B, N, T, S]
+    assert temporaries["xla"] > 2 * scores  # the scores and the probabilities at least
+    assert temporaries["blocked"] < temporaries["xla"] / 4  # 8 blocks: one held at a time
+
+
+def test_blocked_attention_is_chosen_only_when_asked():
+    assert choose_implementation(*q_kv(), F32, has_mask=False, capability=None,
+                                 requested="blocked").implementation == "blocked"
+    assert choose_implementation(*q_kv(), BF16, has_mask=False, capability=H100,
+                                 requested="blocked").implementation == "blocked"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_llama_with_blocked_attention_computes_the_same_logits_and_gradients(padded):
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, remat=True)
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, 64)
+    mask = jnp.ones_like(ids).at[0, :3].set(0) if padded else None
+    params = Model(LlamaForCausalLM, config).init(0)
+    results = []
+    for implementation in (None, "blocked"):
+        model = Model(LlamaForCausalLM, dataclasses.replace(
+            config, attention_implementation=implementation))
+        loss = lambda p: jnp.sum(model.apply(p, ids, attention_mask=mask) ** 2)  # noqa: E731
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    (loss, grads), (want_loss, want_grads) = results
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

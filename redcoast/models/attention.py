@@ -1,10 +1,19 @@
-"""Which kernel computes one attention call: cuDNN's fused (flash) attention or XLA's.
+"""Which kernel computes one attention call: cuDNN's fused (flash) attention, XLA's, or XLA's a
+block of queries at a time.
 
 ``jax.nn.dot_product_attention`` with no ``implementation`` runs XLA's unfused attention on every
 platform, GPUs included. redcoast chooses per call, at trace time, from what the call looks like:
 cuDNN where the device, dtype, head size and mask allow it, XLA otherwise.
 :func:`choose_implementation` is that decision, as a pure function of the call's facts, so it
 can be tested anywhere; :func:`dot_product_attention` applies it.
+
+XLA's attention holds a layer's scores, ``[B, N, T, S]``, for the backward pass: 2 GiB a layer
+at 4096 tokens and 32 heads in float32, O(T * S). cuDNN's flash kernel holds O(T) (the
+log-sum-exp of each row) and recomputes the scores in its backward pass. ``"blocked"``
+(:func:`blocked_attention`) computes XLA's attention a block of queries at a time, each block
+recomputed in the backward pass: the same numbers as ``"xla"`` with O(block * S) memory, what
+``redcoast plan`` needs to see on a compiler that has no flash kernel (XLA:CPU standing in for
+a GPU). Chosen only when asked: ``attention_implementation="blocked"``.
 """
 
 import dataclasses
@@ -15,7 +24,8 @@ import jax.numpy as jnp
 from ..errors import ConfigError
 from ..sharding.context import vendor_kernels
 
-IMPLEMENTATIONS = (None, "xla", "cudnn")  # None: chosen per call
+IMPLEMENTATIONS = (None, "xla", "cudnn", "blocked")  # None: chosen per call
+QUERY_BLOCK = 512  # queries a block of blocked_attention computes at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +58,8 @@ def choose_implementation(q_shape, kv_shape, dtype, *, has_mask, capability, req
     if requested not in IMPLEMENTATIONS:
         raise ConfigError(f"attention_implementation={requested!r}; use one of {IMPLEMENTATIONS} "
                           "(None chooses per call).")
-    if requested == "xla":
-        return Choice("xla", "forced by attention_implementation='xla'")
+    if requested in ("xla", "blocked"):
+        return Choice(requested, f"forced by attention_implementation={requested!r}")
     if requested == "cudnn":
         if capability is None:
             raise ConfigError("attention_implementation='cudnn' needs an NVIDIA GPU; this device "
@@ -90,7 +100,55 @@ def dot_product_attention(q, k, v, *, mask=None, causal=False, window=None, scal
                                        capability=cuda_capability(), requested=implementation)
     else:  # traced for the data-flow analysis, which follows standard operations only
         choice = Choice("xla", "traced for redcoast's data-flow analysis")
+    if choice.implementation == "blocked":
+        return blocked_attention(q, k, v, mask=mask, causal=causal, window=window, scale=scale)
     local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
                                         local_window_size=local,
                                         implementation=choice.implementation)
+
+
+def blocked_attention(q, k, v, *, mask=None, causal=False, window=None, scale=None,
+                      block=QUERY_BLOCK):
+    """XLA's attention (as :func:`dot_product_attention` takes it) computed ``block`` queries at
+    a time under a scan whose body is rematerialised: the backward pass holds one block's scores,
+    ``[B, N, block, S]``, not all of them. Each block is ``jax.nn.dot_product_attention`` over
+    every key with that block's rows of the mask (causal and window ones built from the
+    positions), so each row's softmax is the one XLA's attention computes."""
+    b, t, n, _ = q.shape
+    s = k.shape[1]
+    block = min(block, t)
+    n_blocks = -(-t // block)
+    pad = n_blocks * block - t  # padded queries attend as the mask allows, then are dropped
+    if mask is not None:
+        mask = jnp.asarray(mask, bool)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    rows_masked = mask is not None and mask.shape[2] != 1
+
+    def blocks(x, axis):  # [..., n_blocks * block, ...] -> [n_blocks, ..., block, ...]
+        x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)],
+                    constant_values=True if x.dtype == bool else 0)
+        x = x.reshape(x.shape[:axis] + (n_blocks, block) + x.shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 0)
+
+    def one(_, xs):
+        q_block, mask_block, first = xs
+        allowed = mask if mask is not None and not rows_masked else mask_block
+        if causal or window is not None:
+            query = first + jnp.arange(block)[:, None]
+            key = jnp.arange(s)[None, :]
+            by_position = key <= query if causal else jnp.ones((block, s), bool)
+            if window is not None:
+                by_position = by_position & (query - key < window)
+            allowed = by_position[None, None] if allowed is None else allowed & by_position
+        out = jax.nn.dot_product_attention(q_block, k, v, mask=allowed, scale=scale,
+                                           implementation="xla")
+        return None, out
+
+    # no CSE barrier needed inside a scan body (the loop keeps the recomputation apart)
+    step = jax.checkpoint(one, prevent_cse=False)
+    xs = (blocks(q, 1), blocks(mask, 2) if rows_masked else None,
+          jnp.arange(n_blocks) * block)
+    _, out = jax.lax.scan(step, None, xs)
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n_blocks * block, n, q.shape[-1])
+    return out[:, :t]
