@@ -6,9 +6,10 @@ its common-subexpression elimination then merges the recomputation back into the
 every layer's activations are kept for the backward pass, as without remat. Measured (jax
 0.10.2): four rematerialised attention layers at 4096 tokens, 24.9 GiB of temporaries, as
 without remat (24.8); with the pass off, 6.4 GiB (one layer's scores), and Llama-3-8B FSDP over
-8 simulated devices at 4096 tokens with remat 66 GiB a device instead of 221. XLA:GPU and
-the TPU compiler keep the barriers until after scheduling, as XLA:CPU then does: the step
-computes the same numbers (bit for bit, measured), recomputing what remat asks for.
+8 simulated devices at 4096 tokens with remat 54.8 GiB of temporaries instead of 209. With the
+pass off the step computes the same numbers (bit for bit, measured) and recomputes what remat
+asks for. XLA:GPU and the TPU compiler honour remat as they are (Llama-3-8B on 8 H100s, the same
+step: 128.5 GiB without remat, 61.0 GiB with it), so they are given nothing.
 """
 
 CPU_REMAT_KEPT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
