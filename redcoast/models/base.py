@@ -45,6 +45,7 @@ class Model:
         self.param_dtype = param_dtype
         self.generation_config = {}  # generate()'s defaults (generation_config.json), if any
         self.chat_template = None    # the model's own ChatTemplate (models/chat_template.py), if any
+        self.name_or_path = None     # the folder it was read from, if any (PEFT's base model)
         self._module = nnx.eval_shape(lambda: self._build(0))
         self.graphdef, self._params_state, self._rest_state = nnx.split(self._module, nnx.Param, ...)
         self._template = nnx.to_pure_dict(self._params_state)

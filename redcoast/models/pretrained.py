@@ -102,6 +102,7 @@ def from_pretrained(folder, deployer=None, *, shardings=None, param_dtype=jnp.fl
                                 config_overrides=config_overrides, rng=rng)
     model.generation_config = generation_config
     model.chat_template = chat_template
+    model.name_or_path = str(folder)
     return model, params
 
 
