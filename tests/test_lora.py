@@ -524,3 +524,106 @@ def test_adapters_over_a_base_split_over_the_model_shards_are_no_waste(capsys):
     assert any("mp" in str(s.spec) for s in jax.tree_util.tree_leaves(
         jax.tree_util.tree_map(lambda x: x.sharding, trainer.frozen_params)))
     assert "nothing to split" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ issue 50: PEFT's options
+
+def test_rank_and_alpha_patterns_and_rslora_scale_each_kernel_as_numpy_does():
+    _, base = _model()
+    lora = LoRA(rank=2, alpha=4, targets=r"(q_proj|v_proj)/kernel$",
+                rank_pattern={"q_proj": 4}, alpha_pattern={"layers/1/.*v_proj": 9},
+                use_rslora=True)
+    adapters = _random_adapters(lora, base)
+    merged = lora.merge(base, adapters)
+    for layer, name, rank, alpha in (("0", "q_proj", 4, 4), ("1", "q_proj", 4, 4),
+                                     ("0", "v_proj", 2, 4), ("1", "v_proj", 2, 9)):
+        pair = adapters["layers"][layer]["self_attn"][name]["kernel"]
+        kernel = base["layers"][layer]["self_attn"][name]["kernel"]
+        assert pair["lora_a"].shape[-1] == rank
+        want = kernel + alpha / np.sqrt(rank) * np.asarray(pair["lora_a"]) @ pair["lora_b"]
+        np.testing.assert_allclose(merged["layers"][layer]["self_attn"][name]["kernel"], want,
+                                   rtol=1e-6, atol=1e-6)
+    # adapters of another rank than the LoRA gives the kernel: its scale would be wrong
+    with pytest.raises(ConfigError, match=r"q_proj/kernel has rank 4; the LoRA gives that "
+                       r"kernel rank 2"):
+        LoRA(rank=2, alpha=4, targets=r"(q_proj|v_proj)/kernel$").merge(base, adapters)
+    with pytest.raises(ConfigError, match=r"rank_pattern\['q'\]=0; it is a positive integer"):
+        LoRA(rank_pattern={"q": 0})
+
+
+def test_dora_starts_at_the_base_and_rescales_each_output_column_to_its_magnitude():
+    rs = np.random.RandomState(0)
+    params = {"h": {"c_attn": {"kernel": rs.randn(5, 3, 4).astype(np.float32)}},
+              "q": {"kernel": rs.randn(6, 5).astype(np.float32)}}
+    lora = LoRA(rank=2, alpha=3.0, targets="(c_attn|q)/kernel", use_dora=True)
+    start = lora.init(params)
+    m = start["h"]["c_attn"]["kernel"]["lora_magnitude"]
+    assert m.shape == (3, 4)  # one per output of the fused kernel
+    np.testing.assert_allclose(m, np.linalg.norm(params["h"]["c_attn"]["kernel"], axis=0),
+                               rtol=1e-6)
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6),
+                           lora.merge(params, start), params)
+    moved = _random_adapters(lora, params)
+    for path, flat_out in ((("h", "c_attn", "kernel"), 12), (("q", "kernel"), 5)):
+        pair, w = _at(moved, path), _at(params, path)
+        w2 = w.reshape(w.shape[0], -1) + 1.5 * np.asarray(pair["lora_a"]) @ np.asarray(
+            pair["lora_b"]).reshape(2, -1)
+        want = w2 * np.asarray(pair["lora_magnitude"]).reshape(1, flat_out) / np.linalg.norm(
+            w2, axis=0, keepdims=True)
+        np.testing.assert_allclose(_at(lora.merge(params, moved), path).reshape(w2.shape), want,
+                                   rtol=1e-5, atol=1e-6)
+    no_dora = LoRA(rank=2, alpha=3.0, targets="(c_attn|q)/kernel")
+    with pytest.raises(ConfigError, match="holds DoRA's 'lora_magnitude' while the LoRA has "
+                       "use_dora=False"):
+        no_dora.merge(params, moved)
+
+
+def test_modules_to_save_and_biases_are_trained_whole_and_put_in_place():
+    rs = np.random.RandomState(0)
+    params = {"layer": {"q": {"kernel": rs.randn(6, 4).astype(np.float32),
+                              "bias": rs.randn(4).astype(np.float32)},
+                        "k": {"kernel": rs.randn(6, 4).astype(np.float32),
+                              "bias": rs.randn(4).astype(np.float32)},
+                        "norm": {"scale": rs.randn(4).astype(np.float32),
+                                 "bias": rs.randn(4).astype(np.float32)}},
+              "head": {"kernel": rs.randn(4, 3).astype(np.float32)}}
+    only = LoRA(rank=2, targets="q/kernel", modules_to_save=r"^head/", bias="lora_only")
+    every = LoRA(rank=2, targets="q/kernel", bias="all")
+    assert sorted(map("/".join, only.whole(params))) == ["head/kernel", "layer/q/bias"]
+    assert sorted(map("/".join, every.whole(params))) == [
+        "layer/k/bias", "layer/norm/bias", "layer/q/bias"]
+    adapters = only.init(params)
+    np.testing.assert_array_equal(adapters["head"]["kernel"], params["head"]["kernel"])
+    trained = jax.tree_util.tree_map(lambda x: x + 1.0, adapters)
+    merged = only.merge(params, trained)
+    np.testing.assert_array_equal(merged["head"]["kernel"], params["head"]["kernel"] + 1)
+    np.testing.assert_array_equal(merged["layer"]["q"]["bias"], params["layer"]["q"]["bias"] + 1)
+    assert merged["layer"]["k"]["bias"] is params["layer"]["k"]["bias"]
+
+    def loss(adapters):
+        merged = only.merge(params, adapters)
+        h = jnp.ones((1, 6)) @ merged["layer"]["q"]["kernel"] + merged["layer"]["q"]["bias"]
+        return jnp.sum(h @ merged["head"]["kernel"])
+    grads = jax.grad(loss)(adapters)
+    assert float(jnp.abs(grads["head"]["kernel"]).max()) > 0
+    assert float(jnp.abs(grads["layer"]["q"]["bias"]).max()) > 0
+    # a leaf the LoRA does not train whole is still refused, naming modules_to_save as the fix
+    with pytest.raises(ConfigError, match=r"(?s)layer/k/bias.*modules_to_save=r'\^head/'"):
+        only.merge(params, dict(adapters, layer=dict(adapters["layer"], k={"bias": np.ones(4)})))
+    with pytest.raises(ConfigError, match="both adapted .targets. and trained whole"):
+        LoRA(rank=2, targets="q/kernel", modules_to_save="q/").init(params)
+
+
+def test_every_option_saves_and_loads_in_redcoast_s_format(tmp_path):
+    model, base = _model()
+    lora = LoRA(rank=2, alpha=4, targets=r"(q_proj|v_proj)/kernel$", rank_pattern={"q_proj": 3},
+                alpha_pattern={"v_proj": 5.0}, use_rslora=True, use_dora=True,
+                modules_to_save=(r"^lm_head/",), bias="lora_only")
+    adapters = _random_adapters(lora, base)
+    save_adapters(lora, adapters, str(tmp_path))
+    lora2, loaded = load_adapters(str(tmp_path))
+    assert lora2 == lora
+    jax.tree_util.tree_map(np.testing.assert_array_equal, loaded, adapters)
+    ids = jnp.asarray(_collate(_examples(2))["ids"])
+    np.testing.assert_array_equal(jax.jit(model.apply)(lora2.merge(base, loaded), ids),
+                                  jax.jit(model.apply)(lora.merge(base, adapters), ids))

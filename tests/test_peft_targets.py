@@ -175,3 +175,44 @@ def test_config_files_that_are_no_settings_are_named(tmp_path):
     (tmp_path / "ours" / "lora_config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="holds a JSON list, not an object"):
         load_adapters(str(tmp_path / "ours"))
+
+
+@pytest.mark.parametrize("edit, said", [
+    ({"init_lora_weights": "pissa_niter_4"}, "the base weights were changed too"),
+    ({"init_lora_weights": "loftq"}, "the base weights were changed too"),
+    ({"alora_invocation_tokens": [5, 6]}, "Activated LoRA"),
+    ({"layer_replication": [[0, 2], [1, 2]]}, "layers repeated"),
+    ({"lora_bias": True}, "a bias on lora_B"),
+    ({"use_dora": True}, "without ['lora_magnitude_vector']"),
+    ({"rank_pattern": {"q_proj": 0}}, "rank_pattern['q_proj']=0; it is a positive integer"),
+    ({"rank_pattern": {"q_proj": 3}}, "not (r=3, 32)"),  # the weights hold rank 2
+    ({"bias": "some"}, "bias='some'"),
+])
+def test_peft_options_redcoast_cannot_build_are_refused_naming_them(tmp_path, edit, said):
+    """Options found in the wild whose model the weights alone do not make (issue 50)."""
+    model, _, _, _, folder = _folder(tmp_path, edit)
+    with pytest.raises(ConfigError) as caught:
+        load_peft_adapters(str(folder), model)
+    assert said in str(caught.value) and "Fix:" in str(caught.value)
+
+
+def test_whole_tensors_the_config_does_not_train_are_refused(tmp_path):
+    """A trained norm weight in a folder whose config trains no whole module: PEFT would load
+    it into the base, a model adapter_config.json does not describe."""
+    from safetensors.numpy import load_file, save_file
+
+    model, base, lora, adapters, folder = _folder(tmp_path, {})
+    weights = str(folder / "adapter_model.safetensors")
+    tensors = load_file(weights)
+    tensors["base_model.model.model.norm.weight"] = np.ones(32, np.float32)
+    save_file(tensors, weights)
+    with pytest.raises(ConfigError, match=r"holds \['model.norm.weight'\], which .* does not "
+                       r"train \(bias='none', modules_to_save=None\)"):
+        load_peft_adapters(str(folder), model)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["modules_to_save"] = ["norm"]  # PEFT's endswith rule: "model.norm" ends with "norm"
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    lora2, loaded = load_peft_adapters(str(folder), model)
+    np.testing.assert_array_equal(loaded["norm"]["scale"], np.ones(32))
+    merged = lora2.merge(base, loaded)
+    np.testing.assert_array_equal(merged["norm"]["scale"], np.ones(32))
