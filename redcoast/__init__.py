@@ -1,6 +1,7 @@
 """redcoast: distributed training and inference of large models on JAX from three functions."""
 
 from .compat import Deployer, Predictor, RedcoCompatWarning, Trainer  # core classes + redco's forms
+from .callbacks import Callback, EarlyStopping, History
 from .lora import LoRA, load_adapters, save_adapters
 from .errors import (CheckpointError, ConfigError, DataError, EvaluationError, LayoutCheckError,
                      LossError, NonFiniteLossError, RedcoastError)
@@ -12,4 +13,4 @@ __version__ = "0.1.0"
 __all__ = ["Deployer", "Trainer", "Predictor", "TrainState", "ShardingPlan", "RedcoastError",
            "CheckpointError", "ConfigError", "DataError", "EvaluationError", "LayoutCheckError",
            "LossError", "NonFiniteLossError", "RedcoCompatWarning", "LoRA", "save_adapters",
-           "load_adapters"]
+           "load_adapters", "Callback", "EarlyStopping", "History"]

@@ -1,48 +1,41 @@
-"""What ``fit`` does between steps and at an epoch's end, one small class per keyword.
+"""The built-in callbacks: what ``fit``'s keywords do between steps and at an epoch's end.
 
-Each action sees the :class:`~redcoast.fit_run.FitRun` (``run.trainer.progress`` says where the
-run stands) and may save (``run.save()``), evaluate (``run.evaluate(label)``, which also keeps
-the best checkpoints) or stop the epoch (``after_step`` returns a reason). ``fit`` lists them in
-the order they run: a step's or an epoch's checkpoint is written before the evaluation that
-follows it, so an evaluation that fails loses no training.
-
-To add one (say, evaluate every N steps and keep the best by BLEU), subclass :class:`Action`
-and override the hooks it needs.
+Each is a :class:`~redcoast.callbacks.Callback` that sees the :class:`~redcoast.fit_run.FitRun`
+(``run.trainer.progress`` says where the run stands) and may save (``run.save()``), evaluate
+(``run.evaluate(label)``, which also keeps the best checkpoints and runs the callbacks'
+``after_evaluation``) or stop the run (a hook returns a reason). ``fit`` lists them in the order
+they run, the user's callbacks after them: a step's or an epoch's checkpoint is written before
+the evaluation that follows it, so an evaluation that fails loses no training.
 """
 
 from __future__ import annotations
 
 import jax
 
+from .callbacks import Callback
 
-class Action:
-    """A no-op at every hook."""
-
-    def after_step(self, run) -> str | None:
-        """After each update; a reason ("max_steps", "signal") stops the epoch there."""
-        return None
-
-    def after_epoch(self, run, epoch: int, last: bool) -> None:
-        """After ``epoch`` trained to its end (the trainer's progress is at the next epoch's
-        start); ``last``: the run ends after it."""
-
-    def at_max_steps(self, run) -> None:
-        """When ``max_steps`` stopped the run inside an epoch."""
-
-    def at_end(self, run) -> None:
-        """When the run ends normally."""
+Action = Callback  # the built-ins' earlier name
 
 
-class SaveEveryNSteps(Action):
+class SaveEveryNSteps(Callback):
+    """A checkpoint every ``n`` updates; one that ends an epoch is written at the epoch's end
+    (after the evaluation of that step, before the epoch's), so a resume from it starts the
+    next epoch instead of running the epoch's end again."""
+
     def __init__(self, n: int):
         self.n = n
 
     def after_step(self, run):
+        progress = run.trainer.progress
+        if progress.step % self.n == 0 and progress.position != run.epoch_updates:
+            run.save()
+
+    def after_epoch(self, run, epoch, last):
         if run.trainer.progress.step % self.n == 0:
             run.save()
 
 
-class EvaluateEveryNSteps(Action):
+class EvaluateEveryNSteps(Callback):
     def __init__(self, n: int):
         self.n = n
 
@@ -52,7 +45,7 @@ class EvaluateEveryNSteps(Action):
             run.evaluate(f"step {step}")
 
 
-class StopAtMaxSteps(Action):
+class StopAtMaxSteps(Callback):
     def __init__(self, max_steps: int):
         self.max_steps = max_steps
 
@@ -60,7 +53,7 @@ class StopAtMaxSteps(Action):
         return "max_steps" if run.trainer.progress.step >= self.max_steps else None
 
 
-class StopOnSignal(Action):
+class StopOnSignal(Callback):
     """Stop the epoch once SIGTERM or SIGINT reached any process (checked at every logging
     interval when there are several processes: they must all ask together)."""
 
@@ -74,7 +67,7 @@ class StopOnSignal(Action):
         return "signal" if check and run.guard.requested_anywhere() else None
 
 
-class SaveEveryKEpochs(Action):
+class SaveEveryKEpochs(Callback):
     def __init__(self, k: int):
         self.k = k
 
@@ -83,35 +76,36 @@ class SaveEveryKEpochs(Action):
             run.save()
 
 
-class SaveLast(Action):
-    """The run's last state, wherever it ends (its last epoch, ``max_steps``)."""
+class SaveLast(Callback):
+    """The run's last state, wherever it ends (its last epoch, ``max_steps``, a callback)."""
 
     def after_epoch(self, run, epoch, last):
         if last:
             run.save()
 
-    def at_max_steps(self, run):
+    def at_stop(self, run, reason):
         run.save()
 
     def at_end(self, run):
         run.save()
 
 
-class EvaluateAtEpochEnd(Action):
-    """Evaluate after every epoch and where ``max_steps`` stops the run."""
+class EvaluateAtEpochEnd(Callback):
+    """Evaluate after every epoch and where the run stops inside one (``max_steps``, a
+    callback; once per step: a stop at an epoch's end reuses that epoch's evaluation)."""
 
     def after_epoch(self, run, epoch, last):
         run.evaluate(f"epoch {epoch + 1}{run.schedule.out_of()}")
 
-    def at_max_steps(self, run):
-        run.evaluate(f"step {run.trainer.progress.step} (max_steps)")
+    def at_stop(self, run, reason):
+        run.evaluate(f"step {run.trainer.progress.step} ({reason})")
 
 
 def fit_actions(save_every_n_steps: int | None, eval_every_n_steps: int | None,
                 max_steps: int | None, log_every_n_steps: int,
-                save_every_k_epochs: int | None, save_last_ckpt: bool) -> list[Action]:
-    """``fit``'s keywords as actions, in the order they run."""
-    actions: list[Action] = []
+                save_every_k_epochs: int | None, save_last_ckpt: bool) -> list[Callback]:
+    """``fit``'s keywords as callbacks, in the order they run."""
+    actions: list[Callback] = []
     if save_every_n_steps:
         actions.append(SaveEveryNSteps(save_every_n_steps))
     if eval_every_n_steps:

@@ -1,7 +1,8 @@
 """One ``Trainer.fit`` run: its checkpoint store, its evaluation, and the epochs it trains.
 
-``Trainer.fit`` turns its keywords into a :class:`FitRun` and a list of between-step actions
-(redcoast/actions.py) and calls :meth:`FitRun.train`. The run reads and moves the trainer only
+``Trainer.fit`` turns its keywords into a :class:`FitRun` and a list of callbacks (the built-in
+ones of redcoast/actions.py, then the user's: redcoast/callbacks.py) and calls
+:meth:`FitRun.train`. The run reads and moves the trainer only
 through its public methods (``train``, ``evaluate``, ``save_checkpoint``, ``restore_checkpoint``,
 ``progress`` / ``set_progress``); where it stands is the trainer's :class:`~redcoast.progress.Progress`.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import os
 import signal
@@ -19,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .callbacks import History
 from .checkpoint import CheckpointStore
 from .data import EpochData, examples_by_epoch, is_iterator, is_sequence, updates_after
 from .errors import ConfigError, EvaluationError
@@ -155,7 +158,8 @@ class FitRun:
                  keep_best: Sequence[tuple[str, Callable]] = (),
                  files: Mapping[str, str] | None = None):
         self.trainer, self.schedule, self.evaluation = trainer, schedule, evaluation
-        self.actions, self.keep_best_by = actions, list(keep_best)
+        self.actions, self.keep_best_by = actions, list(keep_best)  # the callbacks, in order
+        self.history = History()  # what this fit logs (the deployer's logger reports it)
         self.files = dict(files or {})  # {name: text} kept in every checkpoint (run.yaml)
         self.deployer = trainer.deployer
         layout = trainer.layout
@@ -181,6 +185,9 @@ class FitRun:
         self.epoch_updates: int | None = None  # its updates (None for a stream: unknown)
         self.guard = PreemptionGuard()
         self.stop_reason: str | None = None  # why the epoch under way stopped early
+        self.stop_requested: str | None = None  # a reason an evaluation's callback gave
+        self.stopped_by: str | None = None  # why the run stopped before its schedule's end
+        self.resumed_meta: Mapping | None = None  # the checkpoint's record, when resumed
         self.resumed_fingerprint: str | None = None  # of the stream's examples before the checkpoint
 
     # ------------------------------------------------------------------ store and resume
@@ -232,7 +239,10 @@ class FitRun:
         if meta is None:
             return
         self.resumed, self.resumed_fingerprint = True, meta.get("stream_fingerprint")
+        self.resumed_meta = meta
         progress = trainer.progress
+        # what the interrupted run logged after its checkpoint is trained and logged again
+        self.deployer.logger.rewind(progress.step)
         trainer.set_progress(progress.replace(best={**progress.best, **self._best_on_disk()}))
         self.saved = (progress.step, progress.epoch, progress.position, self.store.directory)
         warn_if_changed(self.deployer, meta.get("config", {}), self.config,
@@ -257,6 +267,44 @@ class FitRun:
                 "run's started. Fix: pass a function returning a fresh iterator (`lambda epoch: "
                 "my_generator(epoch)`, or one with no argument) or a re-iterable (a "
                 "datasets.IterableDataset).")
+
+    def complete(self) -> str | None:
+        """Why the run is already complete where it stands (its schedule's end, or a stop a
+        callback asked for recorded in the checkpoint it resumed from, under the same
+        schedule), or None."""
+        step, schedule = self.trainer.progress.step, self.schedule
+        if schedule.max_steps is not None and step >= schedule.max_steps:
+            return f"max_steps={schedule.max_steps} reached"
+        if schedule.n_epochs is not None and self.trainer.progress.epoch >= schedule.n_epochs:
+            return f"all {schedule.n_epochs} epochs trained"
+        stopped = self._stop_on_disk() if self.resumed else None
+        if agree(stopped is not None and stopped.get("step") == step
+                 and all(stopped.get(k) == self.config[k] for k in ("n_epochs", "max_steps"))):
+            return f"stopped by {stopped['reason'] if stopped else 'a callback'}"
+        return None
+
+    def _stop_on_disk(self) -> dict | None:
+        """The stop a callback asked for (:meth:`_record_stop`), if one is recorded."""
+        from etils import epath
+        path = epath.Path(self.workdir) / "checkpoints" / STOPPED
+        try:
+            return json.loads(path.read_text()) if path.exists() else None
+        except (OSError, ValueError):  # unreadable: not complete, the run trains on (said)
+            self.deployer.log_warning(f"{path} is unreadable, so the stop it recorded is not "
+                                      "known; the run trains on from its checkpoint.")
+            return None
+
+    def _record_stop(self, reason: str) -> None:
+        """Write down (process 0, beside the checkpoints) that a callback ended the run at this
+        step, for a rerun to find it complete."""
+        if self.store is None or jax.process_index() != 0:
+            return
+        from etils import epath
+        record = {"step": self.trainer.progress.step, "reason": reason,
+                  "n_epochs": self.config["n_epochs"], "max_steps": self.config["max_steps"]}
+        directory = epath.Path(self.workdir) / "checkpoints"
+        (directory / (STOPPED + ".tmp")).write_text(json.dumps(record))
+        (directory / (STOPPED + ".tmp")).rename(directory / STOPPED)
 
     def _best_on_disk(self) -> dict:
         """``{tag: value}`` of the best checkpoints kept in the workdir: a step's checkpoint is
@@ -298,13 +346,19 @@ class FitRun:
 
     def evaluate(self, label: str) -> dict:
         """The eval results after ``label``, evaluated once per step; the best checkpoints by
-        them kept."""
+        them kept; each callback's ``after_evaluation`` run on new results (a reason it gives
+        stops the run after the hook under way)."""
         step = self.trainer.progress.step
-        if step not in self._evaluated:
+        fresh = step not in self._evaluated
+        if fresh:
             self._evaluated.clear()
             self._evaluated[step] = self.evaluation.results(self.trainer, label, self.saved_note)
         results = self._evaluated[step]
         self._keep_best(results)
+        if fresh and results:
+            for callback in self.actions:
+                reason = callback.after_evaluation(self, results)
+                self.stop_requested = self.stop_requested or reason
         return results
 
     def _keep_best(self, results: Mapping) -> None:
@@ -385,20 +439,34 @@ class FitRun:
                 reason, finished = self._train_epoch(epoch, resumed)
                 if reason == "signal" and not finished:
                     self.stop_for_signal()
+                stop = reason if reason != "signal" else None
                 if finished:
-                    last = reason == "max_steps" or epoch + 1 == schedule.n_epochs
+                    last = stop is not None or epoch + 1 == schedule.n_epochs
                     trainer.set_progress(trainer.progress.next_epoch())
-                    for action in self.actions:
-                        action.after_epoch(self, epoch, last)
-                if reason == "max_steps":
-                    if not finished:
-                        for action in self.actions:
-                            action.at_max_steps(self)
+                    for callback in self.actions:
+                        stop = stop or callback.after_epoch(self, epoch, last) or self.stop_requested
+                    if stop is not None and not last:  # a callback ended the run here
+                        self._at_stop(stop)
+                elif stop is not None:
+                    self._at_stop(stop)
+                if stop is not None:
+                    self.stopped_by = self.stopped_by or stop
                     break
                 if self.guard.requested_anywhere():
                     self.stop_for_signal()
-            for action in self.actions:
-                action.at_end(self)
+            for callback in self.actions:
+                callback.at_end(self)
+
+    def _at_stop(self, reason: str) -> None:
+        """The run ends before its schedule's end: recorded (a checkpoint written from now
+        on says so), then each callback's ``at_stop`` (the last save and evaluation)."""
+        self.stopped_by = reason
+        if reason != "max_steps":  # the schedule's own end needs no record
+            self.deployer.log_info(f"stopped at step {self.trainer.progress.step}: {reason}")
+        for callback in self.actions:
+            callback.at_stop(self, reason)
+        if reason != "max_steps":  # after the last save: a rerun resumes from it, complete
+            self._record_stop(reason)
 
     def _train_epoch(self, epoch: int, resumed) -> tuple[str | None, bool]:
         """Train ``epoch`` (from ``resumed``, a Progress inside it, or from its start): why it
@@ -427,8 +495,8 @@ class FitRun:
         return self.stop_reason, finished
 
     def _after_step(self, position: int) -> bool:
-        for action in self.actions:
-            reason = action.after_step(self)
+        for callback in self.actions:
+            reason = callback.after_step(self) or self.stop_requested
             if reason:
                 self.stop_reason = reason
                 return True
@@ -444,6 +512,9 @@ class FitRun:
         if left:
             self.deployer.log_info(f"epoch {epoch + 1}: its last {left} examples do not fill an "
                                    f"update of {per_update} and were left out.")
+
+
+STOPPED = "stopped.json"  # beside the checkpoints: a callback ended the run (FitRun._record_stop)
 
 
 def _has_best(directory) -> bool:

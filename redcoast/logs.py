@@ -1,8 +1,12 @@
 """Where a run's messages and metrics go: console, ``log.txt``, ``metrics.jsonl``, TensorBoard, W&B.
 
 Only process 0 writes; the other processes stay silent so a multi-host log reads like one.
+TensorBoard groups the metrics by their prefix (``train/loss``, ``eval/loss``); ``metrics.jsonl``
+keeps the names as logged (``train_loss``, ``eval_loss``). A resume :meth:`RunLogger.rewind` s
+both to its step, so every step is recorded once.
 """
 
+import contextlib
 import json
 import logging as _logging
 import os
@@ -23,6 +27,7 @@ class RunLogger:
         self._tb = None
         self._wandb = None
         self._metrics_file = None
+        self._listeners = []  # called with every metrics record, on every process
         self._logger = _logging.getLogger(f"redcoast.run.{id(self)}")
         self._logger.setLevel(_logging.INFO)
         self._logger.propagate = False
@@ -72,20 +77,59 @@ class RunLogger:
             print(f"[redcoast] WARNING: {text}", file=sys.stderr, flush=True)
 
     def metrics(self, metrics, step):
-        """Record a dict of scalars at ``step`` in every enabled sink."""
+        """Record a dict of scalars at ``step`` in every enabled sink (and report it to the
+        listeners of :meth:`reporting_to`, on every process)."""
+        scalars = {k: _to_python(v) for k, v in metrics.items()}
+        for listener in self._listeners:
+            listener(scalars, int(step))
         if not self.enabled:
             return
-        scalars = {k: _to_python(v) for k, v in metrics.items()}
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps({"step": int(step), "time": time.time(), **scalars}) + "\n")
             self._metrics_file.flush()
         if self._tb is not None:
             for k, v in scalars.items():
                 if isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, global_step=int(step))
+                    self._tb.add_scalar(tensorboard_tag(k), v, global_step=int(step))
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=int(step))
+
+    @contextlib.contextmanager
+    def reporting_to(self, listener):
+        """Within the block, ``listener(scalars, step)`` gets every metrics record (``fit``'s
+        History)."""
+        self._listeners.append(listener)
+        try:
+            yield
+        finally:
+            self._listeners.remove(listener)
+
+    def rewind(self, step):
+        """Forget the metrics recorded after ``step`` (a resume from a checkpoint at ``step``
+        trains and logs those steps again): ``metrics.jsonl`` rewritten without them (its other
+        lines as they were), TensorBoard told to purge them. Returns how many records went."""
+        if not self.enabled:
+            return 0
+        dropped = 0
+        if self._metrics_file is not None:
+            path = self._metrics_file.name
+            self._metrics_file.close()
+            kept = []
+            with open(path) as f:
+                for line in f:
+                    if _step_of(line) > step:
+                        dropped += 1
+                    else:
+                        kept.append(line)
+            if dropped:
+                with open(path + ".tmp", "w") as f:
+                    f.writelines(kept)
+                os.replace(path + ".tmp", path)
+            self._metrics_file = open(path, "a")
+        if self._tb is not None:
+            self._tb.purge(step + 1)
+        return dropped
 
     def close(self):
         for handler in list(self._logger.handlers):
@@ -97,6 +141,24 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def tensorboard_tag(name):
+    """``train_loss`` -> ``train/loss``, ``eval_accuracy`` -> ``eval/accuracy`` (TensorBoard
+    groups by the part before the slash); other names as they are."""
+    prefix, _, rest = name.partition("_")
+    return f"{prefix}/{rest}" if prefix in ("train", "eval") and rest else name
+
+
+def _step_of(line):
+    """The step of one ``metrics.jsonl`` line (-1 for an event, or a line that is not a
+    record: kept as it is)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return -1
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else -1
 
 
 def _to_python(value):

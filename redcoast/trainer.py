@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from . import validate
 from .abstract import placed
 from .actions import fit_actions
+from .callbacks import Callback, History
 from .batch_diagnosis import nan_findings
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
 from .errors import DATA_CAUSES, ConfigError, NonFiniteLossError
@@ -367,10 +368,10 @@ class Trainer:
     def fit(self, train_examples, per_device_batch_size, n_epochs, eval_examples=None,
             eval_per_device_batch_size=None, eval_loss=True, eval_predictor=None,
             eval_metric_fn=None, save_every_n_steps=None, save_every_k_epochs=None,
-            save_last_ckpt=False, save_argmin_ckpt_by_metrics=None,
+            save_last_ckpt=None, save_argmin_ckpt_by_metrics=None,
             save_argmax_ckpt_by_metrics=None, keep_last_n_ckpts=None, resume=True,
             log_every_n_steps=10, shuffle=True, max_steps=None, eval_every_n_steps=None,
-            check_layout=False, checkpoint_files=None):
+            check_layout=False, checkpoint_files=None, callbacks=None) -> History:
         """Train for ``n_epochs`` (or until ``max_steps`` updates in all, whichever comes first;
         ``n_epochs=None`` with ``max_steps``: as many epochs as that takes), evaluating after each
         epoch, every ``eval_every_n_steps`` updates and at ``max_steps``, saving and resuming as
@@ -384,11 +385,18 @@ class Trainer:
         trained on. ``eval_metric_fn(eval_examples, predictions) -> dict`` scores
         ``eval_predictor``'s predictions. Checkpoints go to ``workdir/checkpoints``: ``steps/``
         every ``save_every_n_steps`` updates, every ``save_every_k_epochs`` epochs, at the end
-        (``save_last_ckpt``) and on SIGTERM/SIGINT; ``best_min_<name>/`` and ``best_max_<name>/``
-        keep the best by an eval result ('loss' or a key of ``eval_metric_fn``'s dict). With
-        ``resume`` (default) a run whose workdir holds a checkpoint continues from it exactly
-        (a stream started afresh, what was trained skipped; with another batch size, at the first
-        example not trained yet); without one, from the start of ``trainer.progress.epoch``.
+        (``save_last_ckpt``; None, the default: where the Deployer has a workdir) and on
+        SIGTERM/SIGINT; ``best_min_<name>/`` and ``best_max_<name>/`` keep the best by an eval
+        result ('loss' or a key of ``eval_metric_fn``'s dict). With ``resume`` (default) a run
+        whose workdir holds a checkpoint continues from it exactly (a stream started afresh,
+        what was trained skipped; with another batch size, at the first example not trained
+        yet), the metrics the interrupted run logged after it dropped from ``metrics.jsonl``
+        and TensorBoard; without one, from the start of ``trainer.progress.epoch``. A run
+        complete at its checkpoint (its epochs or ``max_steps`` done, or stopped by a callback
+        under the same schedule) logs "already complete at step N" and trains nothing.
+        ``callbacks``: :class:`~redcoast.callbacks.Callback` s run after the built-in ones (e.g.
+        :class:`~redcoast.callbacks.EarlyStopping`); a resumed run starts them afresh.
+        Returns a :class:`~redcoast.callbacks.History`: the metrics this call logged, by step.
         A checkpoint is written before the evaluation that follows it; a failing evaluation
         raises :class:`~redcoast.errors.EvaluationError` naming that checkpoint.
         ``check_layout=True``: the layout is checked against one device first (:meth:`check_layout`).
@@ -403,6 +411,9 @@ class Trainer:
                           max_steps=max_steps, eval_every_n_steps=eval_every_n_steps)
         keep_best = ([(m, min) for m in save_argmin_ckpt_by_metrics or []]
                      + [(m, max) for m in save_argmax_ckpt_by_metrics or []])
+        if save_last_ckpt is None:  # the end of a run is saved wherever it can be
+            save_last_ckpt = self.deployer.workdir is not None
+        callbacks = validate_callbacks(callbacks)
         wants_saving = bool(save_every_n_steps or save_every_k_epochs or save_last_ckpt or keep_best)
         if wants_saving and self.deployer.workdir is None:
             raise ConfigError("Saving checkpoints needs a workdir. Fix: pass workdir=... to Deployer.")
@@ -416,15 +427,27 @@ class Trainer:
         evaluation = Evaluation(eval_examples, eval_per_device_batch_size or per_device_batch_size,
                                 eval_loss, eval_predictor, eval_metric_fn)
         actions = fit_actions(save_every_n_steps, eval_every_n_steps, max_steps,
-                              log_every_n_steps, save_every_k_epochs, save_last_ckpt)
+                              log_every_n_steps, save_every_k_epochs, save_last_ckpt) + callbacks
         run = FitRun(self, schedule, evaluation, actions, keep_best, files=checkpoint_files)
-        with run.open(keep_last_n_ckpts, resume, wants_saving):
+        history = run.history
+        with run.open(keep_last_n_ckpts, resume, wants_saving), \
+                self.deployer.logger.reporting_to(history.add):
             if resume:
                 run.resume()
-            if eval_examples is not None and eval_loss:  # now, not after an epoch has trained
-                check_eval_loss(self.loss_fn, self.collate_fn, self.compute_dtype, self._state,
-                                self._progress.eval_key, eval_examples)
-            run.train()
+            done = run.complete()
+            if done is not None:
+                self.deployer.log_info(f"already complete at step {self._progress.step} "
+                                       f"({done}): nothing to train. Fix, to train on: a larger "
+                                       "n_epochs or max_steps; to start afresh: resume=False "
+                                       "or another workdir.")
+                history.already_complete = True
+            else:
+                if eval_examples is not None and eval_loss:  # now, not after an epoch trained
+                    check_eval_loss(self.loss_fn, self.collate_fn, self.compute_dtype,
+                                    self._state, self._progress.eval_key, eval_examples)
+                run.train()
+        history.stopped_by, history.final_step = run.stopped_by, self._progress.step
+        return history
 
     # ----------------------------------------------------------------------------- evaluation
 
@@ -515,6 +538,22 @@ class Trainer:
             meta, examples_trained(meta, per_update, self.deployer.log_warning),
             lambda key: jax.device_put(key, self.layout.replicated))
         return meta
+
+
+def validate_callbacks(callbacks) -> list[Callback]:
+    """``fit(callbacks=...)`` as a list of :class:`Callback` s (None: none)."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, Callback):
+        callbacks = [callbacks]
+    callbacks = list(callbacks)
+    for callback in callbacks:
+        if not isinstance(callback, Callback):
+            raise ConfigError(f"fit(callbacks=...) holds {type(callback).__name__} "
+                              f"({callback!r:.60}), which is no redcoast Callback. Fix: subclass "
+                              "redcoast.Callback and override its hooks (after_step, "
+                              "after_evaluation, after_epoch, at_end).")
+    return callbacks
 
 
 def _abstract(tree):

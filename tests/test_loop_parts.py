@@ -146,19 +146,27 @@ def test_epoch_actions_save_every_k_and_the_last_then_evaluate():
                          ("save", 12), ("evaluate", "epoch 3/3")]
     run.calls.clear()
     for action in actions:
-        action.at_max_steps(run.at(13, position=1))
+        action.at_stop(run.at(13, position=1), "max_steps")
     assert run.calls == [("save", 13), ("evaluate", "step 13 (max_steps)")]
 
 
 def test_fit_saves_before_it_evaluates_at_a_step_and_at_an_epoch_end():
-    run = FakeRun()
+    run = FakeRun()  # 4 updates an epoch
     actions = fit_actions(save_every_n_steps=2, eval_every_n_steps=2, max_steps=None,
                           log_every_n_steps=1, save_every_k_epochs=1, save_last_ckpt=False)
     for action in actions:
         action.after_step(run.at(2, position=2))
+    assert run.calls == [("save", 2), ("evaluate", "step 2")]
+    run.calls.clear()
+    # the epoch's last update: its step's checkpoint is written at the epoch's end (a resume
+    # from it starts the next epoch), after that step's evaluation, before the epoch's
+    for action in actions:
+        action.after_step(run.at(4, position=4))
+    run.at(4)  # the trainer's progress is at the next epoch's start
     for action in actions:
         action.after_epoch(run, 0, last=False)
-    assert run.calls == [("save", 2), ("evaluate", "step 2"), ("save", 2), ("evaluate", "epoch 1/3")]
+    assert run.calls == [("evaluate", "step 4"), ("save", 4), ("save", 4),
+                         ("evaluate", "epoch 1/3")]
 
 
 # -- the package's shape ---------------------------------------------------------------------
