@@ -77,9 +77,12 @@ def problems(cfg) -> list:
     count("fit.keep_last_n_ckpts", f.keep_last_n_ckpts, "checkpoints",
           "1 or more, or null to keep them all", optional=True,
           because=": each save would delete the one before, the preemption save included")
-    need(f.eval_every_n_steps is None or cfg.data.eval is not None, "fit.eval_every_n_steps",
-         f.eval_every_n_steps, "asks for evaluations but data.eval names no eval data",
-         "null, or set data.eval to a file of examples")
+    data = cfg.data
+    need(f.eval_every_n_steps is None or data.eval is not None or data.eval_fraction is not None,
+         "fit.eval_every_n_steps", f.eval_every_n_steps,
+         "asks for evaluations but neither data.eval nor data.eval_fraction gives eval data",
+         "null, or set data.eval to a file of examples (or data.eval_fraction)")
+    out.extend(data_problems(cfg))
     # the optimizer
     need(_finite(o.learning_rate) and o.learning_rate >= 0, "optimizer.learning_rate",
          o.learning_rate, "is not a learning rate: a negative one climbs the loss instead of "
@@ -112,6 +115,12 @@ def problems(cfg) -> list:
         except re.error as e:
             need(False, "lora.targets", lo.targets, f"is not a regular expression ({e})",
                  "a Python regular expression matching the kernels to adapt")
+    need(lo.save == "merged" or not _is_int(lo.rank) or lo.rank > 0, "lora.save", lo.save,
+         "asks for a PEFT adapter folder, but lora.rank is 0 (the whole model is trained)",
+         "merged, or lora.rank to the adapters' rank, e.g. 8")
+    need(lo.save == "merged" or not lo.rank or cfg.export is not None, "lora.save", lo.save,
+         "asks for a PEFT adapter folder, but export names no folder to write it to",
+         "merged, or export to the folder the adapters go to")
     # dtypes and devices
     for path, name in (("trainer.compute_dtype", t.compute_dtype),
                        ("model.param_dtype", cfg.model.param_dtype)):
@@ -130,6 +139,34 @@ def problems(cfg) -> list:
     count("simulate_cpu_devices", cfg.simulate_cpu_devices, "devices",
           "a positive number of CPU devices to simulate, or null for the machine's own",
           optional=True)
+    return out
+
+
+def data_problems(cfg) -> list:
+    """The data section's: a held-out share, and the formats and packing the task can take."""
+    d, out = cfg.data, []
+
+    def need(ok, path, value, why, fix):
+        if not ok:
+            out.append(f"{path}: {value!r} {why}. Fix: set {path} to {fix}.")
+
+    if d.eval_fraction is not None:
+        share = _finite(d.eval_fraction) and 0 < d.eval_fraction < 1
+        need(share, "data.eval_fraction", d.eval_fraction,
+             "is not a share of the training records to hold out",
+             "a fraction between 0 and 1, e.g. 0.1, or null for none")
+        need(not share or d.eval is None, "data.eval_fraction", d.eval_fraction,
+             f"holds out training records, but data.eval already names eval data ({d.eval})",
+             "null, or data.eval to null")
+    need(_is_int(d.split_seed) and d.split_seed >= 0, "data.split_seed", d.split_seed,
+         "is not a seed", "a number 0 or above")
+    seq2seq = cfg.model.task == "seq2seq"
+    need(not (seq2seq and d.format in ("messages", "text")), "data.format", d.format,
+         "is not a seq2seq format (a source and a target), and model.task is seq2seq",
+         "prompt_completion, or model.task to causal_lm")
+    need(not (seq2seq and d.packing), "data.packing", d.packing,
+         "packs sequences into rows of a causal LM's tokens, and model.task is seq2seq",
+         "false, or model.task to causal_lm")
     return out
 
 

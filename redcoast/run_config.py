@@ -15,10 +15,12 @@ command-line overrides (``--trainer.fsdp=false``) are draccus's, PyYAML writes: 
 the ``train`` extra (``pip install 'redcoast[train]'``). The core never imports this module.
 """
 
+import argparse
 import dataclasses
 import difflib
 import json
 import os
+import typing
 from typing import Any, Literal, Optional, Union
 
 from .errors import ConfigError
@@ -125,27 +127,49 @@ class ModelConfig:
     safetensors), a GGUF file, or a config.json (or a folder holding only one) whose weights
     are initialised fresh from ``deployer.jax_seed``. ``tokenizer``: a tokenizer.json (default:
     the folder's, or the GGUF file's own). ``task``: the loss, ``causal_lm`` (next token) or
-    ``seq2seq`` (encoder-decoder); ``auto`` by the model's family."""
+    ``seq2seq`` (encoder-decoder); ``auto`` by the model's family. ``remat``: recompute each
+    layer's activations in the backward pass instead of keeping them (less memory, about a
+    third more compute; Hugging Face's, TRL's and axolotl's ``gradient_checkpointing``)."""
 
     path: str = ""
     tokenizer: Optional[str] = None
     task: Literal["auto", "causal_lm", "seq2seq"] = "auto"
     param_dtype: str = "float32"
+    remat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Examples from files (``.jsonl``, ``.json``: a list of objects, ``.csv``, ``.txt``: a
-    line each). A record with ``prompt_field`` and ``completion_field`` is trained on its
-    completion only (the target, for seq2seq); one with ``text_field`` on all of it.
-    Sequences are cut at ``max_length`` tokens (source and target each, for seq2seq)."""
+    line each), in one of TRL's dataset formats (``format``; ``auto``: by the first record's
+    fields):
+
+    - ``text``: ``text_field``, trained on every token;
+    - ``prompt_completion``: ``prompt_field`` and ``completion_field``, trained on the
+      completion only (the target, for seq2seq);
+    - ``messages``: ``messages_field``, a conversation (``[{"role": ..., "content": ...}]``)
+      rendered by the model's own chat template and trained on the assistant's tokens only
+      (TRL's conversational format with ``assistant_only_loss``; axolotl's ``type:
+      chat_template`` with ``roles_to_train: [assistant]``).
+
+    Sequences are cut at ``max_length`` tokens (source and target each, for seq2seq).
+    ``packing``: whole sequences packed into rows of ``max_length`` tokens, each attending
+    within itself (TRL's ``packing``, axolotl's ``sample_packing``; causal LMs). ``eval``: a
+    file of held-out examples; or ``eval_fraction``: that share of ``train``'s records held
+    out, drawn with ``split_seed`` (axolotl's ``val_set_size``, datasets' ``train_test_split
+    (test_size, seed)``)."""
 
     train: str = ""
     eval: Optional[str] = None
+    format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
     text_field: str = "text"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    messages_field: str = "messages"
     max_length: int = 512
+    packing: bool = False
+    eval_fraction: Optional[float] = None
+    split_seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +187,15 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters (redcoast/lora.py) on the kernels ``targets`` matches, the base frozen;
-    ``rank: 0`` (the default) trains the whole model."""
+    ``rank: 0`` (the default) trains the whole model. ``save``: what ``export`` holds at the
+    end: ``merged`` (a Hugging Face folder, LoRA merged in), ``peft`` (a PEFT adapter folder,
+    as TRL and axolotl save a LoRA run: ``PeftModel.from_pretrained(base, export)``) or
+    ``both`` (the merged folder, the PEFT folder in ``<export>/adapter``)."""
 
     rank: int = 0
     alpha: float = 16.0
     targets: str = r"(^|/)(q_proj|v_proj|query|value|q|v|c_attn)/kernel$"  # lora.DEFAULT_TARGETS
+    save: Literal["merged", "peft", "both"] = "merged"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +310,7 @@ class RunConfig:
         try:
             return draccus.parse(cls, config_path=path, args=argv, prog=prog,
                                  exit_on_error=False)
-        except draccus.utils.DraccusException as e:
+        except (draccus.utils.DraccusException, argparse.ArgumentError) as e:
             raise ConfigError(f"{prog}: {_one_line(e)}. Fix: give each --section.field a value "
                               "of its type (--help lists them).") from None
 
@@ -300,11 +328,13 @@ def check_keys(raw: Any, cls: type, source: str, prefix: str = "") -> None:
     for key, value in raw.items():
         if key not in fields:
             raise ConfigError(f"{source}: unknown key {prefix + str(key)!r}"
-                              f"{_did_you_mean(key, fields, prefix)}. Valid keys at {where}: "
-                              f"{', '.join(fields)}.")
+                              f"{_known_as(key) or _did_you_mean(key, fields, prefix)}. Valid keys "
+                              f"at {where}: {', '.join(fields)}.")
         section = fields[key].type
         if dataclasses.is_dataclass(section) and value is not None:
             check_keys(value, section, source, f"{prefix}{key}.")
+        else:
+            check_choice(section, value, f"{source}: {prefix}{key}")
 
 
 def check_override_names(argv: list[str], cls: type) -> None:
@@ -322,16 +352,58 @@ def check_override_names(argv: list[str], cls: type) -> None:
                 prefix = "".join(f"{p}." for p in parts[:i])
                 rest = "".join(f".{p}" for p in parts[i + 1:])
                 valid = ", ".join(f"--{prefix}{f}" for f in fields)
-                raise ConfigError(f"unknown option --{name}"
-                                  f"{_did_you_mean(part, fields, '--' + prefix, rest)}. Valid "
+                hint = _known_as(part) or _did_you_mean(part, fields, "--" + prefix, rest)
+                raise ConfigError(f"unknown option --{name}{hint}. Valid "
                                   f"{'here' if valid else 'after --' + prefix[:-1]}: "
                                   f"{valid or 'none (it takes a value, not fields)'}.")
             section = fields[part].type
+        if "=" in arg:
+            check_choice(section, yaml_value(arg.split("=", 1)[1]), f"--{name}")
+
+
+def check_choice(annotation: Any, value: Any, where: str) -> None:
+    """``value`` is one of a ``Literal`` field's choices (else a ConfigError naming the close
+    one); other fields are draccus's to check."""
+    choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}"
+                          f"{_did_you_mean(value, choices)}. Fix: choose one of them.")
+
+
+def yaml_value(text: str) -> Any:
+    """A command-line value as draccus reads it (YAML: ``null``, ``3``, ``true``, text)."""
+    try:
+        return _yaml().safe_load(text)
+    except Exception:  # noqa: BLE001 - not YAML: the text itself, for draccus to judge
+        return text
 
 
 def _did_you_mean(key, fields, prefix="", rest="") -> str:
     close = difflib.get_close_matches(str(key), list(fields), n=1)
     return f" (did you mean {prefix}{close[0]}{rest}?)" if close else ""
+
+
+# The names TRL's SFTConfig, Hugging Face's TrainingArguments and axolotl give the options a
+# run file has under other names: an unknown key that is one of them says which it is here.
+KNOWN_AS = {
+    "sample_packing": "data.packing", "val_set_size": "data.eval_fraction",
+    "test_size": "data.eval_fraction", "gradient_checkpointing": "model.remat",
+    "field_messages": "data.messages_field", "dataset_text_field": "data.text_field",
+    "sequence_len": "data.max_length", "max_seq_length": "data.max_length",
+    "assistant_only_loss": "data.format: messages (trained on the assistant's tokens only)",
+    "lora_r": "lora.rank", "r": "lora.rank", "lora_alpha": "lora.alpha",
+    "lora_target_modules": "lora.targets", "target_modules": "lora.targets",
+    "adapter": "lora.rank (0: no adapters)", "output_dir": "deployer.workdir (and export)",
+    "num_epochs": "fit.n_epochs", "num_train_epochs": "fit.n_epochs",
+    "micro_batch_size": "fit.per_device_batch_size",
+    "per_device_train_batch_size": "fit.per_device_batch_size",
+    "gradient_accumulation_steps": "trainer.accumulate_grad_batches",
+    "learning_rate": "optimizer.learning_rate", "seed": "deployer.jax_seed",
+    "base_model": "model.path", "model_name_or_path": "model.path"}
+
+
+def _known_as(key) -> str:
+    return f" ({key} is {KNOWN_AS[key]} here)" if key in KNOWN_AS else ""
 
 
 def _one_line(error) -> str:

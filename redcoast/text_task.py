@@ -1,23 +1,29 @@
 """The task of ``redcoast train``: text records from files, tokenised, batched, and the loss.
 
-Records come from JSON Lines, JSON (a list of objects), CSV or plain text (a record per line).
-A record with a prompt and a completion is trained on the completion alone (causal LM: the
-prompt's tokens are read, not predicted; seq2seq: the prompt is the source, the completion the
-target); one with a text on every token. Each example is a list of token ids, with the end
-token appended where the tokenizer did not add it; batches are padded on the right to one
-length per run, so one step compiles once, and a weight per target token says what counts.
+Records come from JSON Lines, JSON (a list of objects), CSV or plain text (a record per line),
+in one of three formats (TRL's): a ``text`` trained on every token; a ``prompt`` and a
+``completion`` trained on the completion alone (causal LM: the prompt's tokens are read, not
+predicted; seq2seq: the prompt is the source, the completion the target); or ``messages``, a
+conversation rendered by the model's own chat template and trained on the assistant's tokens
+alone (redcoast/chat_data.py). Each example is a list of token ids, with the end token
+appended to text and completions where the tokenizer did not add it (a chat template writes its
+own); batches are padded on the right to one length per run, so one step compiles once, and a
+weight per target token says what counts. With packing, whole examples share fixed-length rows
+instead (redcoast/packing.py), each attending within itself.
 """
 
 import csv
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 
 TASKS = ("causal_lm", "seq2seq")
+FORMATS = ("text", "prompt_completion", "messages")
 
 
 def read_records(path, text_field="text"):
@@ -77,19 +83,44 @@ class Tokens:
         return ids if self.eos is None or (ids and ids[-1] == self.eos) else ids + [self.eos]
 
 
-def tokenise(records, tokens, task, fields, source):
-    """Each record as ``{"ids", "n_prompt"}`` (causal LM: prompt then completion; the first
-    ``n_prompt`` ids are not predicted) or ``{"source", "target"}`` (seq2seq).
+def record_format(first, fields, messages_field="messages"):
+    """The format of records like ``first`` (by their fields, messages first), or None.
     ``fields``: the data section's (text_field, prompt_field, completion_field)."""
     text_field, prompt_field, completion_field = fields
+    if messages_field in first:
+        return "messages"
+    if prompt_field in first and completion_field in first:
+        return "prompt_completion"
+    return "text" if text_field in first else None
+
+
+def tokenise(records, tokens, task, fields, source, format="auto", messages_field="messages",
+             template=None):
+    """Each record as ``{"ids", "n_prompt"}`` (causal LM: prompt then completion; the first
+    ``n_prompt`` ids are not predicted; messages: ``n_prompt`` 0 and a ``loss_mask``, 1 on the
+    ids to predict) or ``{"source", "target"}`` (seq2seq). ``fields``: the data section's
+    (text_field, prompt_field, completion_field); ``format``: one of :data:`FORMATS` or
+    ``auto`` (by the first record's fields); ``template``: the model's ChatTemplate, for
+    messages."""
+    text_field, prompt_field, completion_field = fields
     first = records[0]
-    paired = prompt_field in first and completion_field in first
-    if not paired and (task == "seq2seq" or text_field not in first):
-        wanted = (f"'{prompt_field}' and '{completion_field}'" if task == "seq2seq" else
-                  f"'{text_field}', or '{prompt_field}' and '{completion_field}'")
+    found = record_format(first, fields, messages_field)
+    allowed = ("prompt_completion",) if task == "seq2seq" else FORMATS
+    asked = format if format != "auto" else None
+    format = asked or (found if found in allowed else None)
+    if format not in allowed or not _has(first, format, fields, messages_field):
+        wanted = {"text": f"'{text_field}'", "messages": f"'{messages_field}'",
+                  "prompt_completion": f"'{prompt_field}' and '{completion_field}'"}
+        need = wanted[format] if format in allowed else ", or ".join(wanted[f] for f in allowed)
         raise ConfigError(f"{source}: its records have the fields {sorted(first)}; {task} "
-                          f"training needs {wanted}. Fix: set data.text_field, "
-                          "data.prompt_field and data.completion_field to its names.")
+                          + (f"training on data.format={asked} " if asked else "training ")
+                          + f"needs {need}. Fix: set data.text_field, data.prompt_field, "
+                          "data.completion_field or data.messages_field to its names"
+                          + (", or data.format to the records' format." if asked else "."))
+    if format == "messages":
+        return [_conversation(record.get(messages_field), i, tokens, template, source,
+                              messages_field) for i, record in enumerate(records)]
+    paired = format == "prompt_completion"
     examples = []
     for i, record in enumerate(records):
         names = (prompt_field, completion_field) if paired else (text_field,)
@@ -110,6 +141,78 @@ def tokenise(records, tokens, task, fields, source):
             examples.append({"ids": tokens.ended(tokens.encode(str(record[text_field]))),
                              "n_prompt": 0})
     return examples
+
+
+def _has(record, format, fields, messages_field):
+    text_field, prompt_field, completion_field = fields
+    names = {"text": (text_field,), "prompt_completion": (prompt_field, completion_field),
+             "messages": (messages_field,)}[format]
+    return all(n in record for n in names)
+
+
+def _conversation(messages, index, tokens, template, source, field):
+    """One conversation record as ``{"ids", "n_prompt": 0, "loss_mask"}``."""
+    from .chat_data import tokenize_conversation
+
+    where = f"{source}: record {index + 1}"
+    if template is None:
+        raise ConfigError(f"{source} holds conversations ('{field}'), which are rendered by the "
+                          "model's chat template, and the model has none. Fix: a model folder "
+                          "with chat_template.jinja or a chat_template in tokenizer_config.json "
+                          "(a GGUF file with tokenizer.chat_template), or data.format: text.")
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+            for m in messages)):
+        raise ConfigError(f"{where}: '{field}' is {messages!r:.80}, not a conversation. Fix: "
+                          'a list of {"role": ..., "content": ...} objects, as TRL reads them.')
+    try:
+        sequence = tokenize_conversation(template, tokens.tokenizer, messages)
+    except DataError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return {"ids": sequence["input_ids"], "n_prompt": 0, "loss_mask": sequence["loss_mask"]}
+
+
+def split_records(records, fraction, seed):
+    """``(train, held out)``: ``ceil(fraction * n)`` of ``records`` held out, drawn by a
+    permutation seeded with ``seed`` (each part in the file's order)."""
+    n = len(records)
+    n_eval = math.ceil(fraction * n)
+    if n_eval >= n:
+        raise ConfigError(f"data.eval_fraction={fraction} of {n} records holds out all of them, "
+                          "leaving none to train on. Fix: a smaller data.eval_fraction, or more "
+                          "records.")
+    held = set(np.random.default_rng(seed).permutation(n)[:n_eval].tolist())
+    return ([r for i, r in enumerate(records) if i not in held],
+            [r for i, r in enumerate(records) if i in held])
+
+
+def trained_tokens(example):
+    """How many of an example's tokens are predicted (what its loss covers)."""
+    if "loss_mask" in example:
+        return int(sum(example["loss_mask"][1:]))
+    if "target" in example:
+        return len(example["target"])
+    return max(len(example["ids"]) - max(example["n_prompt"], 1), 0)
+
+
+def packing_rows(examples, length, pad, pack=True):
+    """Causal examples as rows of ``length`` tokens (redcoast/packing.py): whole examples
+    packed into each (``pack``), or one per row; each cut to ``length`` tokens first."""
+    from .packing import pack_sequences, pad_sequences
+
+    sequences = []
+    for e in examples:
+        mask = e.get("loss_mask") or [0] * e["n_prompt"] + [1] * (len(e["ids"]) - e["n_prompt"])
+        sequences.append({"input_ids": e["ids"][:length], "loss_mask": mask[:length]})
+    return (pack_sequences if pack else pad_sequences)(sequences, length, pad)
+
+
+def collate_rows(rows):
+    """A batch of :func:`packing_rows` rows, as the causal loss reads it (with segment ids)."""
+    return {"input_ids": np.stack([r["input_ids"] for r in rows]),
+            "labels": np.stack([r["targets"] for r in rows]),
+            "weights": np.stack([r["loss_mask"] for r in rows]),
+            "segment_ids": np.stack([r["segment_ids"] for r in rows])}
 
 
 def lengths(examples, max_length):
@@ -145,8 +248,11 @@ def make_collate_fn(task, shape, pad, start=None):
         ids = _padded([e["ids"][:length + 1] for e in examples], length + 1, pad)
         weights = np.zeros((len(examples), length), np.float32)
         for i, e in enumerate(examples):
-            # target j is ids[j + 1]: the completion's from the prompt's last token on
-            weights[i, max(e["n_prompt"] - 1, 0):min(len(e["ids"]), length + 1) - 1] = 1.0
+            n = min(len(e["ids"]), length + 1)
+            if "loss_mask" in e:  # target j is ids[j + 1], weighted by that id's mask
+                weights[i, :n - 1] = e["loss_mask"][1:n]
+            else:  # the completion's, from the prompt's last token on
+                weights[i, max(e["n_prompt"] - 1, 0):n - 1] = 1.0
         return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "weights": weights}
     return collate_causal
 
@@ -174,6 +280,8 @@ def make_loss_fn(model, task, lora=None):
         if task == "seq2seq":
             logits = model.apply(params, batch["input_ids"], batch["attention_mask"],
                                  batch["decoder_input_ids"])
+        elif "segment_ids" in batch:  # packed rows: each sequence attends within itself
+            logits = model.apply(params, batch["input_ids"], segment_ids=batch["segment_ids"])
         else:  # right padding: causal attention keeps the real tokens from seeing the pad
             logits = model.apply(params, batch["input_ids"])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])

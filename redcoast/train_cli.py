@@ -21,12 +21,13 @@ import dataclasses
 import os
 import sys
 
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .folder_files import file_in_folder
 from .run_config import ResumeConfig, RunConfig, absolute_paths
 from .run_record import HISTORY, RECORD, check_resume, keep
 
 ALLOW_CHANGES = "--allow-changes"  # the same as --resume.allow_changes=true
+PEFT_SUBFOLDER = "adapter"  # lora.save: both: the PEFT folder inside the merged model's
 SEQ2SEQ_FAMILIES = ("t5", "bart")
 CAUSAL_FAMILIES = ("llama", "gpt2", "opt", "gptj")
 
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
             cfg = dataclasses.replace(cfg, resume=ResumeConfig(allow_changes=True))
         check(cfg)
         train(cfg)
-    except ConfigError as e:  # the cause and the fix, without a traceback
+    except (ConfigError, DataError) as e:  # the cause and the fix, without a traceback
         print(f"redcoast train: {e}", file=sys.stderr)
         return 2
     return 0
@@ -96,22 +97,14 @@ def train(cfg: RunConfig):
 
 
 def _train(cfg, deployer, record):
-    from .text_task import lengths, make_collate_fn, make_loss_fn, read_records, tokenise
+    from .text_task import make_loss_fn
     from .trainer import Trainer
 
     model, params, tokenizer, family = load_model(cfg.model, deployer)
     task = task_of(cfg.model.task, family)
     tokens = special_tokens(model, tokenizer)
-    data = cfg.data
-    fields = (data.text_field, data.prompt_field, data.completion_field)
-    train_examples = tokenise(read_records(data.train, data.text_field), tokens, task, fields,
-                              data.train)
-    eval_examples = None if data.eval is None else tokenise(
-        read_records(data.eval, data.text_field), tokens, task, fields, data.eval)
-    shape, cut = lengths(train_examples + (eval_examples or []), data.max_length)
-    deployer.log_info(f"{task}: {len(train_examples)} training and {len(eval_examples or [])} "
-                      f"eval examples, padded to {' + '.join(map(str, shape))} tokens"
-                      + (f"; {cut} longer ones cut at data.max_length={data.max_length}" if cut else ""))
+    train_examples, eval_examples, collate_fn = load_examples(
+        cfg.data, task, tokens, model.chat_template, deployer)
 
     lora, frozen = None, None
     if cfg.lora.rank:
@@ -120,10 +113,12 @@ def _train(cfg, deployer, record):
         frozen, params = params, lora.init(params, seed=deployer.jax_seed)
         deployer.log_info(f"LoRA rank {lora.rank}: {count(params):,} trainable parameters on "
                           f"{len(lora.selected(frozen))} kernels, {count(frozen):,} frozen")
+        if cfg.export and cfg.lora.save != "merged":
+            check_peft_export(model, lora, params)  # before training, not after it
     optimizer, schedule = make_optimizer(cfg, deployer, len(train_examples))
-    trainer = Trainer(deployer, make_collate_fn(task, shape, tokens.pad, tokens.start),
-                      model.apply, make_loss_fn(model, task, lora), params, optimizer,
-                      lr_schedule_fn=schedule, frozen_params=frozen, **cfg.trainer_kwargs())
+    trainer = Trainer(deployer, collate_fn, model.apply, make_loss_fn(model, task, lora), params,
+                      optimizer, lr_schedule_fn=schedule, frozen_params=frozen,
+                      **cfg.trainer_kwargs())
     del params, frozen  # the trainer holds its own copies
     eval_batch = cfg.fit.eval_per_device_batch_size or cfg.fit.per_device_batch_size
     if cfg.eval_at_start and eval_examples:
@@ -133,13 +128,92 @@ def _train(cfg, deployer, record):
     trainer.fit(train_examples, eval_examples=eval_examples, checkpoint_files={RECORD: record},
                 **cfg.fit_kwargs())
     if cfg.export:
+        export(cfg, model, tokenizer, trainer, lora, deployer)
+    return trainer
+
+
+def load_examples(data, task, tokens, template, deployer):
+    """``(train examples, eval examples or None, collate_fn)`` of the data section: records
+    read, held out (``eval_fraction``), tokenised in their format, padded or packed."""
+    from .text_task import (lengths, make_collate_fn, packing_rows, collate_rows, read_records,
+                            split_records, tokenise, trained_tokens)
+    from .packing import packed_fraction
+
+    fields = (data.text_field, data.prompt_field, data.completion_field)
+
+    def examples(records, source):
+        return tokenise(records, tokens, task, fields, source, data.format, data.messages_field,
+                        template)
+
+    records = read_records(data.train, data.text_field)
+    held_out = None
+    if data.eval_fraction is not None:
+        records, held_out = split_records(records, data.eval_fraction, data.split_seed)
+        deployer.log_info(f"data.eval_fraction={data.eval_fraction}: {len(held_out)} of "
+                          f"{len(records) + len(held_out)} records of {data.train} held out for "
+                          f"evaluation (drawn with data.split_seed={data.split_seed})")
+    train = examples(records, data.train)
+    evals = (examples(held_out, f"{data.train} (held out)") if held_out is not None else
+             None if data.eval is None else
+             examples(read_records(data.eval, data.text_field), data.eval))
+    idle = sum(trained_tokens(e) == 0 for e in train)
+    if idle == len(train):
+        raise ConfigError(f"{data.train}: no record has a token to train on (no assistant "
+                          "message, or an empty completion). Fix: check data.format and the "
+                          "records' fields.")
+    if idle:  # said, not skipped silently: they still count as examples
+        deployer.log_warning(f"{idle} of {len(train)} records of {data.train} have no token to "
+                             "train on (no assistant message, or an empty completion): they "
+                             "add nothing to the loss.")
+    if data.packing:
+        everything = train + (evals or [])
+        cut = sum(len(e["ids"]) > data.max_length for e in everything)
+        rows = packing_rows(train, data.max_length, tokens.pad)
+        eval_rows = None if evals is None else packing_rows(evals, data.max_length, tokens.pad,
+                                                            pack=False)
+        deployer.log_info(
+            f"{task}, packed: {len(train)} training examples in {len(rows)} rows of "
+            f"data.max_length={data.max_length} tokens ({100 * packed_fraction(rows):.0f}% "
+            f"real tokens), {len(evals or [])} eval examples one per row"
+            + (f"; {cut} longer ones cut at {data.max_length} tokens" if cut else ""))
+        return rows, eval_rows, collate_rows
+    shape, cut = lengths(train + (evals or []), data.max_length)
+    deployer.log_info(f"{task}: {len(train)} training and {len(evals or [])} eval examples, "
+                      f"padded to {' + '.join(map(str, shape))} tokens"
+                      + (f"; {cut} longer ones cut at data.max_length={data.max_length}"
+                         if cut else ""))
+    return train, evals, make_collate_fn(task, shape, tokens.pad, tokens.start)
+
+
+def check_peft_export(model, lora, adapters):
+    """Refuse, before training, adapters PEFT's format cannot hold (written to a scratch
+    folder as the end of the run would write them)."""
+    import tempfile
+
+    from .models.peft import save_peft_adapters
+
+    with tempfile.TemporaryDirectory() as scratch:
+        save_peft_adapters(model, lora, adapters, scratch)
+
+
+def export(cfg, model, tokenizer, trainer, lora, deployer):
+    """What ``export`` holds: the model (LoRA merged in), and/or the PEFT adapter folder."""
+    save = cfg.lora.save if lora is not None else "merged"
+    if save in ("merged", "both"):
         from .models import save_pretrained
         params = (trainer.params if lora is None else
                   lora.merge(trainer.frozen_params, trainer.params))
         save_pretrained(model, params, cfg.export, tokenizer=tokenizer)
         deployer.log_info(f"the trained model is in {cfg.export} (a Hugging Face folder"
                           + (", LoRA merged in)" if lora else ")"))
-    return trainer
+    if save in ("peft", "both"):
+        from .models.peft import save_peft_adapters
+        folder = cfg.export if save == "peft" else os.path.join(cfg.export, PEFT_SUBFOLDER)
+        if "://" not in folder:
+            os.makedirs(folder, exist_ok=True)
+        save_peft_adapters(model, lora, trainer.params, folder)
+        deployer.log_info(f"the LoRA adapters are in {folder} (a PEFT folder: "
+                          "peft.PeftModel.from_pretrained(<the base model>, folder))")
 
 
 def load_model(model_cfg, deployer):
@@ -147,28 +221,31 @@ def load_model(model_cfg, deployer):
     folder with weights, or a config.json (a folder with no weights) initialised fresh."""
     import jax.numpy as jnp
 
-    from .models import from_gguf, from_pretrained, model_from_config
+    from .models import from_gguf, from_pretrained
 
     path, dtype = model_cfg.path, jnp.dtype(model_cfg.param_dtype)
+    overrides = {"remat": True} if model_cfg.remat else None
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ConfigError(f"model.path {path} does not exist. Fix: give a GGUF file, a "
                               "Hugging Face folder or a config.json.")
         model, params, tokenizer = from_gguf(path, deployer, param_dtype=dtype,
+                                             config_overrides=overrides,
                                              with_tokenizer=model_cfg.tokenizer is None)
         folder = None
     else:
         folder = path if os.path.isdir(path) else os.path.dirname(path)
-        config = path if os.path.isfile(path) else os.path.join(path, "config.json")
+        config = (path if os.path.isfile(path) else
+                  file_in_folder(path, "config.json", "the model's config"))
         if not os.path.isfile(config):
             raise ConfigError(f"model.path {path} is no GGUF file, no config.json and no folder "
                               "holding one. Fix: give a Hugging Face folder, a GGUF file or a "
                               "config.json.")
         if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
-            model, params = from_pretrained(path, deployer, param_dtype=dtype)
+            model, params = from_pretrained(path, deployer, param_dtype=dtype,
+                                            config_overrides=overrides)
         else:
-            model, _ = model_from_config(config, param_dtype=dtype)
-            params = model.init(deployer.jax_seed)
+            model, params = fresh_model(config, folder, deployer, dtype, overrides)
             deployer.log_info(f"{path} holds no weights: the model starts from random ones "
                               f"(its initialisers, seed deployer.jax_seed={deployer.jax_seed})")
         tokenizer = None
@@ -178,6 +255,30 @@ def load_model(model_cfg, deployer):
         tokenizer = load_tokenizer(model_cfg.tokenizer or file_in_folder(
             folder, "tokenizer.json", "the model's tokenizer"))
     return model, params, tokenizer, model.module_cls.__module__.rsplit(".", 1)[-1]
+
+
+def fresh_model(config, folder, deployer, dtype, overrides):
+    """``(model, params)`` of a config.json, initialised from ``deployer.jax_seed`` and placed
+    as from_pretrained places weights (so LoRA's frozen base is split as traced); the
+    folder's chat template and generation defaults, where it has them."""
+    import json
+
+    from .models.chat_template import ChatTemplate
+    from .models.pretrained import CHAT_TEMPLATE_FILES, from_reader, read_generation_config
+
+    try:
+        with open(config) as f:
+            config_dict = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"{config} is not JSON ({e}). Fix: give a Hugging Face config.json."
+                          ) from None
+    model, params = from_reader(config_dict, None, deployer, param_dtype=dtype,
+                                config_overrides=overrides, init_seed=deployer.jax_seed)
+    for name in CHAT_TEMPLATE_FILES:  # the folder's own files, not links out of it
+        file_in_folder(folder, name, "the chat template's source")
+    model.chat_template = ChatTemplate.from_folder(folder)
+    model.generation_config = read_generation_config(folder)
+    return model, params
 
 
 def load_tokenizer(path):

@@ -176,3 +176,72 @@ def test_the_core_does_not_import_the_record_or_draccus():
             "print(sorted(m for m in ('draccus', 'redcoast.run_config') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------ the fine-tune's options
+
+# (YAML, the one field named): the fine-tune's options at values no run can mean
+REFUSED = [
+    ("data: {eval_fraction: 0}", "data.eval_fraction"),
+    ("data: {eval_fraction: 1.0}", "data.eval_fraction"),  # nothing left to train on
+    ("data: {eval_fraction: 0.1, eval: e.jsonl}", "data.eval_fraction"),  # two eval sets
+    ("data: {split_seed: -1}", "data.split_seed"),
+    ("lora: {save: peft}\nexport: out", "lora.save"),  # no adapters: rank 0
+    ("lora: {rank: 8, save: both}", "lora.save"),  # nowhere to write them
+    ("model: {task: seq2seq}\ndata: {format: messages}", "data.format"),
+    ("model: {task: seq2seq}\ndata: {packing: true}", "data.packing"),
+]
+ALLOWED = ["data: {eval_fraction: 0.1, split_seed: 3}\nfit: {eval_every_n_steps: 5}",
+           "data: {format: messages, packing: true}\nmodel: {remat: true}",
+           "lora: {rank: 8, save: peft}\nexport: out", "lora: {rank: 0, save: merged}"]
+
+
+@pytest.mark.parametrize("text, field", REFUSED, ids=[t for t, _ in REFUSED])
+def test_the_fine_tunes_options_refuse_what_no_run_can_mean(text, field):
+    from redcoast.run_checks import problems
+
+    cfg = RunConfig.from_yaml(text)
+    value = cfg
+    for name in field.split("."):
+        value = getattr(value, name)
+    found = problems(cfg)
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{field}: {value!r} "), found
+    assert f". Fix: set {field} to " in found[0]
+
+
+@pytest.mark.parametrize("text", ALLOWED)
+def test_the_fine_tunes_options_pass_where_meant(text):
+    from redcoast.run_checks import problems
+
+    assert problems(RunConfig.from_yaml(text)) == []
+
+
+def test_a_choice_is_checked_with_a_close_match_in_the_file_and_on_the_command_line():
+    with pytest.raises(ConfigError, match=r"run.yaml: data.format: 'mesages' is not one of auto, "
+                                          r"text, prompt_completion, messages \(did you mean "
+                                          r"messages\?\)"):
+        RunConfig.from_yaml("data: {format: mesages}", "run.yaml")
+    with pytest.raises(ConfigError, match=r"--lora.save: 'pef' is not one of merged, peft, both "
+                                          r"\(did you mean peft\?\)"):
+        RunConfig.from_args(["--lora.save=pef"])
+    # draccus's own refusal of a choice (argparse's) is a ConfigError too, not a traceback
+    with pytest.raises(ConfigError, match="invalid choice: 'x'"):
+        RunConfig.from_args(["--model.task", "x"])
+    cfg = RunConfig.from_args(["--data.format=messages", "--data.packing=true",
+                               "--data.eval_fraction=0.05", "--model.remat=true",
+                               "--lora.save=both"])
+    assert (cfg.data.format, cfg.data.packing, cfg.data.eval_fraction, cfg.model.remat,
+            cfg.lora.save) == ("messages", True, 0.05, True, "both")
+
+
+def test_trl_and_axolotl_names_say_what_they_are_called_here():
+    with pytest.raises(ConfigError, match=r"unknown key 'data.sample_packing' \(sample_packing "
+                                          r"is data.packing here\)"):
+        RunConfig.from_yaml("data: {sample_packing: true}")
+    with pytest.raises(ConfigError, match=r"unknown key 'val_set_size' \(val_set_size is "
+                                          r"data.eval_fraction here\)"):
+        RunConfig.from_yaml("val_set_size: 0.1")
+    with pytest.raises(ConfigError, match=r"unknown option --model.gradient_checkpointing "
+                                          r"\(gradient_checkpointing is model.remat here\)"):
+        RunConfig.from_args(["--model.gradient_checkpointing=true"])

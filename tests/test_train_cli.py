@@ -127,13 +127,107 @@ def test_records_without_the_fields_name_theirs_and_the_fix(tmp_path):
     fields = ("text", "prompt", "completion")
     with pytest.raises(ConfigError, match=r"d.jsonl: its records have the fields \['answer', "
                                           r"'question'\]; causal_lm training needs 'text', or "
-                                          r"'prompt' and 'completion'. Fix: set data.text_field"):
+                                          r"'prompt' and 'completion', or 'messages'. Fix: set "
+                                          r"data.text_field"):
         tokenise([{"question": "a", "answer": "b"}], tokens, "causal_lm", fields, "d.jsonl")
     with pytest.raises(ConfigError, match="seq2seq training needs 'prompt' and 'completion'"):
         tokenise([{"text": "a"}], tokens, "seq2seq", fields, "d.jsonl")
     with pytest.raises(ConfigError, match="record 2 has no 'completion'"):
         tokenise([{"prompt": "a", "completion": "b"}, {"prompt": "a"}], tokens, "seq2seq",
                  fields, "d.jsonl")
+
+
+# a chat template for the character tokenizer: a turn is "<role>:" then its content and the end
+CHAR_TEMPLATE = ("{% for m in messages %}{{ m.role[0] }}:{{ m.content }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def test_conversations_train_on_the_assistants_tokens_and_end_only(tmp_path):
+    from redcoast.models.chat_template import ChatTemplate
+
+    tokens, template = char_tokens(tmp_path), ChatTemplate(CHAR_TEMPLATE)
+    chat = [{"role": "system", "content": "b"}, {"role": "user", "content": "ab"},
+            {"role": "assistant", "content": "cd"}, {"role": "user", "content": "e"},
+            {"role": "assistant", "content": "a"}]
+    fields = ("text", "prompt", "completion")
+    examples = tokenise([{"messages": chat}], tokens, "causal_lm", fields, "d", "messages",
+                        template=template)
+    assert tokenise([{"messages": chat}], tokens, "causal_lm", fields, "d",
+                    template=template) == examples  # format auto: by the field
+    # "s:b</s>u:ab</s>a:cd</s>u:e</s>a:a</s>": the assistant's content and end marker count
+    text = "s:b|u:ab|a:cd|u:e|a:a|"
+    expected_ids = [1 if c == "|" else ids(c)[0] for c in text]
+    answer = {11, 12, 13, 20, 21}  # c, d, its end; a, its end
+    assert examples == [{"ids": expected_ids, "n_prompt": 0,
+                         "loss_mask": [int(i in answer) for i in range(len(text))]}]
+    batch = make_collate_fn("causal_lm", (len(text) - 1,), pad=0)(examples)
+    # target j is ids[j + 1]: weighted where that id is the assistant's
+    np.testing.assert_array_equal(batch["weights"][0],
+                                  [int(j + 1 in answer) for j in range(len(text) - 1)])
+    with pytest.raises(ConfigError, match="record 1: 'messages' is 'hi', not a conversation"):
+        tokenise([{"messages": "hi"}], tokens, "causal_lm", fields, "d", "messages",
+                 template=template)
+    with pytest.raises(ConfigError, match="and the model has none. Fix: a model folder with "
+                                          "chat_template.jinja"):
+        tokenise([{"messages": chat}], tokens, "causal_lm", fields, "d", "messages")
+    with pytest.raises(ConfigError, match=r"causal_lm training on data.format=messages needs "
+                                          r"'messages'"):
+        tokenise([{"text": "ab"}], tokens, "causal_lm", fields, "d", "messages", template=template)
+    with pytest.raises(ConfigError, match="seq2seq training needs 'prompt' and 'completion'"):
+        tokenise([{"messages": chat}], tokens, "seq2seq", fields, "d", template=template)
+
+
+def test_a_held_out_share_is_seeded_disjoint_and_whole():
+    from redcoast.text_task import split_records
+
+    records = [{"text": str(i)} for i in range(50)]
+    train, held = split_records(records, 0.1, seed=3)
+    assert len(held) == 5 and len(train) == 45  # ceil(0.1 * 50), as datasets' test_size
+    assert sorted(train + held, key=lambda r: int(r["text"])) == records
+    assert split_records(records, 0.1, seed=3) == (train, held)  # the seed decides
+    assert split_records(records, 0.1, seed=4)[1] != held
+    assert train == [r for r in records if r not in held]  # each part in the file's order
+    assert len(split_records(records, 0.01, seed=0)[1]) == 1
+    with pytest.raises(ConfigError, match="holds out all of them"):
+        split_records(records[:1], 0.5, seed=0)
+
+
+def test_packed_rows_give_the_loss_of_the_same_examples_padded(tmp_path):
+    """The mean loss per trained token over a batch of packed rows equals that over the same
+    examples one per padded row: no example sees another, positions restart, the same tokens
+    are weighted (text, prompt/completion and conversation examples mixed)."""
+    import jax
+
+    from redcoast.models import model_from_config
+    from redcoast.models.chat_template import ChatTemplate
+    from redcoast.text_task import collate_rows, make_loss_fn, packing_rows
+
+    tokens, fields = char_tokens(tmp_path), ("text", "prompt", "completion")
+    examples = (tokenise([{"prompt": "add: 4+5 -> ", "completion": "9"},
+                          {"prompt": "sort: cab -> ", "completion": "abc"}], tokens,
+                         "causal_lm", fields, "d")
+                + tokenise([{"text": "a b c d e"}], tokens, "causal_lm", fields, "d")
+                + tokenise([{"messages": [{"role": "user", "content": "ab"},
+                                          {"role": "assistant", "content": "ba"}]}],
+                           tokens, "causal_lm", fields, "d", template=ChatTemplate(CHAR_TEMPLATE)))
+    folder = tiny_model(tmp_path / "model")
+    model, _ = model_from_config(os.path.join(folder, "config.json"))
+    params = model.init(0)
+    loss_fn = make_loss_fn(model, "causal_lm", None)
+    packed = packing_rows(examples, 32, pad=0)
+    assert len(packed) == 2  # 4 examples of 9-16 tokens in rows of 32
+    shape, _ = lengths(examples, 32)
+    padded = make_collate_fn("causal_lm", shape, pad=0)(examples)
+    packed_batch = collate_rows(packed)
+    assert packed_batch["weights"].sum() == padded["weights"].sum() == 1 + 3 + 8 + 3 + 3
+    key = jax.random.PRNGKey(0)
+    loss_packed, _ = loss_fn(key, None, params, packed_batch, False)
+    loss_padded, _ = loss_fn(key, None, params, padded, False)
+    np.testing.assert_allclose(loss_packed, loss_padded, rtol=1e-5)
+    # one example per row (the evaluation's rows): the same too
+    loss_alone, _ = loss_fn(key, None, params, collate_rows(packing_rows(examples, 32, 0, False)),
+                            False)
+    np.testing.assert_allclose(loss_alone, loss_padded, rtol=1e-5)
 
 
 def test_a_store_keeps_its_files_in_every_checkpoint_and_only_there(tmp_path):
@@ -238,6 +332,40 @@ def test_the_command_names_what_is_missing_or_wrong(tmp_path, capsys, monkeypatc
     from redcoast.launch import cli
     assert cli(["train", "--help"]) == 0  # the redcoast command's own
     assert "usage: redcoast train run.yaml" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_chat_run_packs_holds_out_and_writes_a_peft_folder(tmp_path, capfd):
+    """Conversations through the folder's own chat_template.jinja (a config.json, fresh
+    weights), packed, a quarter held out, LoRA saved as PEFT alone: the run says what it did,
+    writes the adapters where export says, and says nothing of a plan with nothing to split
+    (the frozen base is split over the model shards) or of a base placed from shapes alone."""
+    folder = tiny_model(tmp_path / "model")
+    (tmp_path / "model" / "chat_template.jinja").write_text(CHAR_TEMPLATE)
+    chats = [[{"role": "user", "content": f"sort: {w}"},
+              {"role": "assistant", "content": "".join(sorted(w))}]
+             for w in ("cab", "ba", "dcba", "bd", "ca", "db", "acb", "dab")]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    args = [f"--model.path={folder}", f"--data.train={tmp_path / 'chat.jsonl'}",
+            f"--deployer.workdir={tmp_path / 'w'}", "--deployer.n_model_shards=2",
+            "--trainer.fsdp=false", "--trainer.fuse_matmuls=false", "--fit.n_epochs=1",
+            "--fit.per_device_batch_size=1", "--data.format=messages", "--data.packing=true",
+            "--data.max_length=32", "--data.eval_fraction=0.25", "--model.remat=true",
+            "--lora.rank=2", "--lora.save=peft", f"--export={tmp_path / 'out'}",
+            "--eval_at_start=true"]
+    assert main(args) == 0, capfd.readouterr().err
+    log = "".join(capfd.readouterr())
+    assert "data.eval_fraction=0.25: 2 of 8 records of" in log, log
+    rows = re.search(r"packed: 6 training examples in (\d) rows of data.max_length=32", log)
+    assert rows and int(rows.group(1)) < 6, log  # conversations of 16 tokens share rows
+    assert "nothing to split" not in log and "from their shapes alone" not in log, log
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert (config["r"], config["target_modules"]) == (2, ["q_proj", "v_proj"])
+    assert sorted(os.listdir(tmp_path / "out")) == ["adapter_config.json",
+                                                    "adapter_model.safetensors"]
+    records = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")]
+    assert any("eval_loss_at_start" in r for r in records)
+    assert RunConfig.load(str(tmp_path / "w" / "run.yaml")).data.packing is True
 
 
 # ------------------------------------------------------------------------------ acceptance
