@@ -100,6 +100,18 @@ class Layout:
         return self.candidate.name
 
     @property
+    def description(self):
+        """The mesh and the choices in one phrase, each said once: ``dp=4 x mp=2, fsdp=on,
+        fusion=off``. FSDP splits over the data shards, so over one it splits nothing and is
+        said so (``fsdp=off (one data shard)``) whatever was asked."""
+        c = self.candidate
+        fsdp = (c.fsdp if c.fsdp == BY_COST else "on" if c.fsdp else "off")
+        if c.fsdp and self.n_data_shards == 1:
+            fsdp = "off (one data shard)"
+        return (f"dp={self.n_data_shards} x mp={self.n_model_shards}, fsdp={fsdp}, "
+                f"fusion={'on' if c.fuse_matmuls else 'off'}")
+
+    @property
     def n_model_shards(self):
         return self.mesh.shape["mp"]
 

@@ -38,9 +38,9 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
             + f" (Deployer(n_model_shards={layout.n_model_shards}) skips the comparison).")
     if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
         deployer.log_warning(f"sharding plan from {layout.source}")
-    if (len(shard_counts) == 1 and layout.plan.nothing_to_split()  # said always: n x the work
-            and not _frozen_split_over_model_shards(layout)):  # LoRA: the base is split
-        deployer.log_warning(layout.plan.nothing_to_split() + ".")
+    frozen_split = _frozen_split_over_model_shards(layout)  # LoRA: the base is split
+    if len(shard_counts) == 1 and layout.plan.nothing_to_split(frozen_split):  # said always
+        deployer.log_warning(layout.plan.nothing_to_split(frozen_split) + ".")
     if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
         deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
                           f"{layout.n_data_shards} x mp={layout.n_model_shards}): {layout.reason}.")
@@ -48,7 +48,8 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
         if layout.table:
             deployer.log_info(f"{layout.name}: {layout.reason}.\n{layout.table}",
                               title="Layout (candidates compiled for the first batch)")
-        deployer.log_info(layout.plan.table(), title=f"Sharding plan (from {layout.source})")
+        deployer.log_info(layout.plan.table(frozen_split),
+                          title=f"Sharding plan (from {layout.source})")
         deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
     return layout
 

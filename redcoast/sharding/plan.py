@@ -91,9 +91,11 @@ class ShardingPlan:
             return True
         return splits_over_model_shards([pl.spec for pl in self.compute_placements])
 
-    def nothing_to_split(self):
-        """What to say of a plan that splits nothing over several model shards, else None."""
-        if self.splits_over_model_shards():
+    def nothing_to_split(self, frozen_split=False):
+        """What to say of a plan that splits nothing over several model shards, else None.
+        ``frozen_split``: whether frozen parameters (LoRA's base) are split over the model
+        shards; then the devices share that work, and there is nothing to say."""
+        if frozen_split or self.splits_over_model_shards():
             return None
         n = self.axis_sizes["mp"]
         return (f"the model has nothing to split over {n} model shards: every device repeats the "
@@ -132,8 +134,10 @@ class ShardingPlan:
     def rules_source(self):
         return format_rules(self.rules())
 
-    def table(self):
-        notes = [n for n in (self.fsdp_note, self.nothing_to_split()) if n]
+    def table(self, frozen_split=False):
+        """The plan, one parameter a line, and its notes (``frozen_split``: as
+        :meth:`nothing_to_split`)."""
+        notes = [n for n in (self.fsdp_note, self.nothing_to_split(frozen_split)) if n]
         return format_plan(self.placements, self.axis_sizes) + "".join(f"\n{n}" for n in notes)
 
 
