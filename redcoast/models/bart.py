@@ -20,14 +20,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import ConfigError
-from . import hf
+from . import hf, stacked
 from .activations import activation
 from .blocks import (LearnedPositions, check_length, dense, empty_kv_cache, key_mask, layer_norm,
-                     merge_heads, run_layer, split_heads)
+                     merge_heads, split_heads)
 from .layers import attend, write_cache
 from .layers import attention_mask as causal_mask
 
 POSITION_OFFSET = 2
+_HOW_IT_RUNS = ("dtype", "remat", "scan_layers")  # Config fields not in config.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Config:
     forced_eos_token_id: Any = 2  # likewise
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False  # each stack's layers stacked and run by a scan (stacked.py)
 
     def __post_init__(self):
         if isinstance(self.eos_token_id, list):
@@ -71,12 +73,12 @@ class Config:
         if d.get("normalize_before") or d.get("add_final_layer_norm"):
             raise ConfigError("normalize_before / add_final_layer_norm (mBART's pre-LN layout) are "
                               "not supported; redcoast's BART is post-LN.")
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "remat"}
+        names = {f.name for f in dataclasses.fields(cls)} - set(_HOW_IT_RUNS)
         return cls(**{k: d[k] for k in names if k in d})
 
     def to_hf(self):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("dtype", "remat")}
+             if f.name not in _HOW_IT_RUNS}
         if isinstance(d["eos_token_id"], tuple):
             d["eos_token_id"] = list(d["eos_token_id"])
         return {**d, "model_type": "bart", "architectures": ["BartForConditionalGeneration"],
@@ -147,27 +149,32 @@ class BartStack(nnx.Module):
     def __init__(self, config, *, decoder, rngs, param_dtype=jnp.float32):
         c = config
         self.config = c
-        n = c.decoder_layers if decoder else c.encoder_layers
+        self.n_layers = n = c.decoder_layers if decoder else c.encoder_layers
         self.embed_positions = LearnedPositions(c.max_position_embeddings, c.d_model,
                                                 offset=POSITION_OFFSET, dtype=c.dtype,
                                                 param_dtype=param_dtype, rngs=rngs, std=c.init_std)
         self.layernorm_embedding = layer_norm(c.d_model, dtype=c.dtype, param_dtype=param_dtype,
                                               rngs=rngs)
-        self.layers = nnx.List([BartLayer(c, decoder=decoder, rngs=rngs, param_dtype=param_dtype)
-                                for _ in range(n)])
+        self.layers = stacked.make_layers(
+            lambda i, r: BartLayer(c, decoder=decoder, rngs=r, param_dtype=param_dtype), n, rngs,
+            c.scan_layers)
 
     def __call__(self, embedded, positions, mask, cross_kv=None, cross_mask=None, cache=None,
-                 cache_index=None):
+                 cache_index=None, encoder_hidden=None):
+        """``cross_kv``: each decoder layer's cross-attention K/V
+        (:meth:`BartForConditionalGeneration.cross_kv`); or ``encoder_hidden``, from which each
+        layer computes its own (stacked layers without a cache: inside the scan, one at a
+        time)."""
+        c = self.config
+
+        def call(layer, h, layer_cache, layer_kv=None):
+            if layer_kv is None and encoder_hidden is not None:
+                layer_kv = dict(zip(("k", "v"), layer.encoder_attn.kv(encoder_hidden)))
+            return layer(h, mask, layer_kv, cross_mask, layer_cache, cache_index)
+
         x = self.layernorm_embedding(embedded + self.embed_positions(positions))
-        new_cache = None if cache is None else {"layers": {}}
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache["layers"][str(i)]
-            layer_kv = None if cross_kv is None else cross_kv["layers"][str(i)]
-            x, layer_new = run_layer(layer, self.config.remat, x, mask, layer_kv, cross_mask,
-                                     layer_cache, cache_index)
-            if cache is not None:
-                new_cache["layers"][str(i)] = layer_new
-        return x, new_cache
+        return stacked.run_layers(self.layers, self.n_layers, x, cache, call,
+                                  scanned=c.scan_layers, remat=c.remat, inputs=cross_kv)
 
 
 class BartForConditionalGeneration(nnx.Module):
@@ -202,9 +209,11 @@ class BartForConditionalGeneration(nnx.Module):
     def cross_kv(self, encoder_hidden):
         """Every decoder layer's cross-attention keys and values, computed once per input:
         {"layers": {"i": {"k": [B, S, heads, head_dim], "v": ...}}}."""
-        x = encoder_hidden.astype(self.config.dtype)
-        return {"layers": {str(i): dict(zip(("k", "v"), layer.encoder_attn.kv(x)))
-                           for i, layer in enumerate(self.decoder.layers)}}
+        c = self.config
+        x = encoder_hidden.astype(c.dtype)
+        return {"layers": {str(i): dict(zip(("k", "v"), stacked.layer_of(
+            self.decoder.layers, i, c.scan_layers).encoder_attn.kv(x)))
+            for i in range(c.decoder_layers)}}
 
     def decode(self, decoder_input_ids, encoder_hidden, encoder_mask=None, attention_mask=None,
                positions=None, cache=None, cache_index=None, cross_kv=None):
@@ -219,9 +228,11 @@ class BartForConditionalGeneration(nnx.Module):
         del positions
         c = self.config
         b, t = decoder_input_ids.shape
-        if cross_kv is None:
+        # stacked layers without a cache compute their cross-attention K/V inside the scan
+        in_scan = c.scan_layers and cache is None and cross_kv is None
+        if cross_kv is None and not in_scan:
             cross_kv = self.cross_kv(encoder_hidden)
-        enc_len = cross_kv["layers"]["0"]["k"].shape[1]
+        enc_len = encoder_hidden.shape[1] if in_scan else cross_kv["layers"]["0"]["k"].shape[1]
         if cache is None:
             query_slots, n_keys = jnp.arange(t), t
         else:
@@ -235,7 +246,8 @@ class BartForConditionalGeneration(nnx.Module):
         mask = causal_mask(query_slots, jnp.arange(n_keys), valid)
         h, new_cache = self.decoder(self._embed(decoder_input_ids), query_slots[None], mask,
                                     cross_kv, key_mask(encoder_mask, b, enc_len), cache,
-                                    cache_index)
+                                    cache_index,
+                                    encoder_hidden.astype(c.dtype) if in_scan else None)
         logits = self.shared.attend(h) + self.final_logits_bias[...].astype(h.dtype)
         logits = logits.astype(jnp.float32)
         return logits if cache is None else (logits, new_cache)
@@ -301,7 +313,7 @@ def hf_sources(config, module_cls=BartForConditionalGeneration):
         return {"embed_positions": {"table": {"embedding": hf.Source(
                     f"{p}.embed_positions.weight")}},
                 "layernorm_embedding": norm(f"{p}.layernorm_embedding"),
-                "layers": {str(i): layer(i) for i in range(n)}}
+                "layers": stacked.layer_sources(layer, n, config.scan_layers)}
 
     return {"shared": {"embedding": hf.Source("model.shared.weight", aliases=(
                 "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"))},

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import ConfigError
-from . import hf
+from . import hf, stacked
 from .activations import activation
 from .layers import attend
 
-_NOT_IN_HF = ("dtype", "remat", "attention_implementation")  # run settings, not the model's
+# run settings, not the model's
+_NOT_IN_HF = ("dtype", "remat", "scan_layers", "attention_implementation")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Config:
     architecture: str = "BertModel"
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False  # the layers stacked and run by a scan (models/stacked.py)
     attention_implementation: Any = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
@@ -131,8 +133,9 @@ class BertModel(nnx.Module):
         self.position_embeddings = _embed(config.max_position_embeddings, config, param_dtype, rngs)
         self.token_type_embeddings = _embed(config.type_vocab_size, config, param_dtype, rngs)
         self.embed_norm = _layer_norm(config, param_dtype, rngs)
-        self.layers = nnx.List([BertLayer(config, rngs=rngs, param_dtype=param_dtype)
-                                for _ in range(config.num_hidden_layers)])
+        self.layers = stacked.make_layers(
+            lambda i, r: BertLayer(config, rngs=r, param_dtype=param_dtype),
+            config.num_hidden_layers, rngs, config.scan_layers)
         self.pooler = _linear(config.hidden_size, config.hidden_size, config, param_dtype, rngs)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None):
@@ -147,8 +150,9 @@ class BertModel(nnx.Module):
         x = self.embed_norm(x)
         # A key mask: every query attends to the real tokens of its row.
         mask = None if attention_mask is None else attention_mask.astype(bool)[:, None, None, :]
-        for layer in self.layers:
-            x = _run_layer(layer, x, mask, self.config.remat)
+        x, _ = stacked.run_layers(self.layers, self.config.num_hidden_layers, x, None,
+                                  lambda layer, h, _: (layer(h, mask), None),
+                                  scanned=self.config.scan_layers, remat=self.config.remat)
         pooled = jnp.tanh(self.pooler(x[:, 0]))
         return x.astype(jnp.float32), pooled.astype(jnp.float32)
 
@@ -165,12 +169,6 @@ class BertForSequenceClassification(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None):
         _, pooled = self.bert(input_ids, attention_mask, token_type_ids)
         return self.classifier(pooled.astype(self.config.dtype)).astype(jnp.float32)
-
-
-def _run_layer(layer, x, mask, remat):
-    if remat:  # keep only the layer's input for the backward pass, recompute the rest
-        return nnx.remat(lambda lyr, x, mask: lyr(x, mask))(layer, x, mask)
-    return layer(x, mask)
 
 
 def mean_pool(hidden, mask):
@@ -214,7 +212,7 @@ def hf_sources(config, module_cls):
         "position_embeddings": {"embedding": src("embeddings.position_embeddings.weight")},
         "token_type_embeddings": {"embedding": src("embeddings.token_type_embeddings.weight")},
         "embed_norm": norm("embeddings.LayerNorm"),
-        "layers": {str(i): layer(i) for i in range(config.num_hidden_layers)},
+        "layers": stacked.layer_sources(layer, config.num_hidden_layers, config.scan_layers),
         "pooler": linear("pooler.dense"),
     }
     if module_cls is BertModel:

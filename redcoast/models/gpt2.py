@@ -17,12 +17,13 @@ from flax import nnx
 from jax import lax
 
 from ..errors import ConfigError
-from . import hf
+from . import hf, stacked
 from .activations import activation
 from .blocks import packed_rows
 from .layers import attend, attention_mask as slot_mask  # the argument's name is taken
 
-_NOT_IN_HF = ("dtype", "remat", "attention_implementation")  # run settings, not the model's
+# run settings, not the model's
+_NOT_IN_HF = ("dtype", "remat", "scan_layers", "attention_implementation")
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,17 @@ class Config:
     eos_token_id: Any = 50256
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False  # the layers stacked and run by a scan (models/stacked.py)
     attention_implementation: Any = None  # None: per call (models/attention.py)
 
     def __post_init__(self):
         activation(self.activation_function, "activation_function")  # fail early if unknown
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}.")
+        if self.scan_layers and self.scale_attn_by_inverse_layer_idx:
+            raise ConfigError("scan_layers=True with scale_attn_by_inverse_layer_idx: each layer "
+                              "scales its attention by its own index, and a scan runs one layer "
+                              "for all. Fix: scan_layers=False for this model.")
 
     @property
     def inner_size(self):
@@ -204,8 +210,9 @@ class GPT2LMHeadModel(nnx.Module):
                      embedding_init=_normal())
         self.wte = nnx.Embed(config.vocab_size, config.n_embd, **embed)
         self.wpe = nnx.Embed(config.n_positions, config.n_embd, **embed)
-        self.h = nnx.List([Block(config, i, rngs=rngs, param_dtype=param_dtype)
-                           for i in range(config.n_layer)])
+        self.h = stacked.make_layers(
+            lambda i, r: Block(config, i, rngs=r, param_dtype=param_dtype), config.n_layer, rngs,
+            config.scan_layers)
         self.ln_f = _layer_norm(config, param_dtype, rngs)
 
     def init_cache(self, batch_size, max_length, dtype=jnp.float32):
@@ -222,9 +229,10 @@ class GPT2LMHeadModel(nnx.Module):
     def cross_kv(self, encoder_hidden):
         """Every block's cross-attention keys and values of ``encoder_hidden`` [B, S, n_embd]:
         {"layers": {"i": {"k": [B, S, heads, head_dim], "v": ...}}}, computed once per input."""
-        x = encoder_hidden.astype(self.config.dtype)
-        return {"layers": {str(i): dict(zip(("k", "v"), block.crossattention.kv(x)))
-                           for i, block in enumerate(self.h)}}
+        c = self.config
+        x = encoder_hidden.astype(c.dtype)
+        return {"layers": {str(i): dict(zip(("k", "v"), stacked.layer_of(
+            self.h, i, c.scan_layers).crossattention.kv(x))) for i in range(c.n_layer)}}
 
     def __call__(self, input_ids, attention_mask=None, positions=None, cache=None,
                  cache_index=None, cross_kv=None, cross_mask=None, segment_ids=None):
@@ -249,22 +257,14 @@ class GPT2LMHeadModel(nnx.Module):
             query_slots = cache_index + jnp.arange(t)
             mask = ((slots[None, :] <= query_slots[:, None])[None, None]
                     & attention_mask.astype(bool)[:, None, None, :])
-        x = self.wte(input_ids) + self.wpe(positions)
-        new_cache = {}
-        for i, block in enumerate(self.h):
-            layer_cache = None if cache is None else cache["layers"][str(i)]
-            layer_kv = None if cross_kv is None else cross_kv["layers"][str(i)]
-            x, new_cache[str(i)] = _run_block(block, x, mask, layer_cache, cache_index,
-                                              self.config.remat, layer_kv, cross_mask)
+        c = self.config
+        x, new_cache = stacked.run_layers(
+            self.h, c.n_layer, self.wte(input_ids) + self.wpe(positions), cache,
+            lambda block, h, layer_cache, layer_kv=None: block(h, mask, layer_cache, cache_index,
+                                                               layer_kv, cross_mask),
+            scanned=c.scan_layers, remat=c.remat, inputs=cross_kv)
         logits = self.wte.attend(self.ln_f(x)).astype(jnp.float32)
-        return logits if cache is None else (logits, {"layers": new_cache})
-
-
-def _run_block(block, x, mask, cache, cache_index, remat, cross_kv=None, cross_mask=None):
-    args = (x, mask, cache, cache_index, cross_kv, cross_mask)
-    if remat:  # keep only the block's inputs for the backward pass, recompute the rest
-        return nnx.remat(lambda blk, *args: blk(*args))(block, *args)
-    return block(*args)
+        return logits if cache is None else (logits, new_cache)
 
 
 MODULES = {"GPT2LMHeadModel": GPT2LMHeadModel}
@@ -299,7 +299,7 @@ def hf_sources(config, module_cls, prefix=""):
 
     return {"wte": {"embedding": hf.Source(f"{prefix}transformer.wte.weight")},
             "wpe": {"embedding": hf.Source(f"{prefix}transformer.wpe.weight")},
-            "h": {str(i): block(i) for i in range(config.n_layer)},
+            "h": stacked.layer_sources(block, config.n_layer, config.scan_layers),
             "ln_f": norm(f"{prefix}transformer.ln_f")}
 
 

@@ -14,13 +14,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import ConfigError
-from . import hf
+from . import hf, stacked
 from .activations import activation
 from .blocks import (cached_attention, check_length, decoder_inputs, dense, empty_kv_cache,
-                     layer_norm, merge_heads, run_layer, split_heads)
+                     layer_norm, merge_heads, split_heads)
 from .layers import apply_rotary, rotary_cos_sin
 
 ROPE_THETA = 10000.0  # fixed in GPT-J
+_HOW_IT_RUNS = ("dtype", "remat", "scan_layers")  # Config fields not in config.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Config:
     pad_token_id: Any = None
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False  # the layers stacked and run by a scan (models/stacked.py)
 
     def __post_init__(self):
         activation(self.activation_function, "activation_function")
@@ -62,12 +64,12 @@ class Config:
         if d.get("tie_word_embeddings", False):
             raise ConfigError("tie_word_embeddings=true: GPT-J's LM head is a matrix of its own "
                               "(with a bias) in every released checkpoint; redcoast does not tie it.")
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "remat"}
+        names = {f.name for f in dataclasses.fields(cls)} - set(_HOW_IT_RUNS)
         return cls(**{k: d[k] for k in names if k in d})
 
     def to_hf(self):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("dtype", "remat")}
+             if f.name not in _HOW_IT_RUNS}
         return {**d, "model_type": "gptj", "architectures": ["GPTJForCausalLM"],
                 "tie_word_embeddings": False}
 
@@ -134,8 +136,9 @@ class GPTJForCausalLM(nnx.Module):
         self.config = c
         self.wte = nnx.Embed(c.vocab_size, c.n_embd, dtype=c.dtype, param_dtype=param_dtype,
                              embedding_init=nnx.initializers.normal(c.initializer_range), rngs=rngs)
-        self.h = nnx.List([GPTJBlock(c, rngs=rngs, param_dtype=param_dtype)
-                           for _ in range(c.n_layer)])
+        self.h = stacked.make_layers(
+            lambda i, r: GPTJBlock(c, rngs=r, param_dtype=param_dtype), c.n_layer, rngs,
+            c.scan_layers)
         self.ln_f = layer_norm(c.n_embd, eps=c.layer_norm_epsilon, dtype=c.dtype,
                                param_dtype=param_dtype, rngs=rngs)
         self.lm_head = dense(c.n_embd, c.vocab_size, dtype=c.dtype, param_dtype=param_dtype,
@@ -153,13 +156,11 @@ class GPTJForCausalLM(nnx.Module):
         positions, key_valid, query_slots = decoder_inputs(input_ids, attention_mask, positions,
                                                            cache, cache_index, segment_ids)
         cos, sin = rotary_cos_sin(positions, c.rotary_dim or c.head_dim, ROPE_THETA)
-        x = self.wte(input_ids)
-        new_cache = {"layers": {}}
-        for i, block in enumerate(self.h):
-            layer_cache = None if cache is None else cache["layers"][str(i)]
-            x, new_cache["layers"][str(i)] = run_layer(block, c.remat, x, cos, sin, key_valid,
-                                                       query_slots, layer_cache, cache_index,
-                                                       segment_ids)
+        x, new_cache = stacked.run_layers(
+            self.h, c.n_layer, self.wte(input_ids), cache,
+            lambda block, h, layer_cache: block(h, cos, sin, key_valid, query_slots, layer_cache,
+                                                cache_index, segment_ids),
+            scanned=c.scan_layers, remat=c.remat)
         logits = self.lm_head(self.ln_f(x)).astype(jnp.float32)
         return logits if cache is None else (logits, new_cache)
 
@@ -185,7 +186,7 @@ def hf_sources(config, module_cls=GPTJForCausalLM):
                 "mlp": {"fc_in": linear(f"{p}.mlp.fc_in"), "fc_out": linear(f"{p}.mlp.fc_out")}}
 
     return {"wte": {"embedding": hf.Source("transformer.wte.weight")},
-            "h": {str(i): block(i) for i in range(config.n_layer)},
+            "h": stacked.layer_sources(block, config.n_layer, config.scan_layers),
             "ln_f": norm("transformer.ln_f"), "lm_head": linear("lm_head")}
 
 

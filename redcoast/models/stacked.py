@@ -12,7 +12,10 @@ per-layer form and beam search reorders it as before.
 """
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+
+from . import hf
 
 
 def stacked_layers(make_layer, n_layers, rngs):
@@ -52,16 +55,46 @@ def layer_at(layers, i):
     return nnx.merge(graphdef, jax.tree_util.tree_map(lambda a: a[i], state))
 
 
-def run_layers(layers, n_layers, x, cache, call, *, scanned, remat):
+def make_layers(make_layer, n_layers, rngs, scanned):
+    """The ``n_layers`` layers ``make_layer(i, rngs)``: stacked (``scanned``; every layer made
+    as layer 0, so a family whose layers differ by index refuses ``scan_layers`` in its config)
+    or an ``nnx.List``."""
+    if scanned:
+        return stacked_layers(lambda r: make_layer(0, r), n_layers, rngs)
+    return nnx.List([make_layer(i, rngs) for i in range(n_layers)])
+
+
+def layer_of(layers, i, scanned):
+    """Layer ``i`` of ``layers`` (from :func:`make_layers`) as a module of its own."""
+    return layer_at(layers, i) if scanned else layers[i]
+
+
+def layer_sources(layer_source, n_layers, scanned):
+    """The ``hf_sources`` entry of the layers: ``layer_source(i)`` (a tree of
+    :class:`redcoast.models.hf.Source`) for each, stacked (``scanned``) or keyed by index."""
+    per_layer = [layer_source(i) for i in range(n_layers)]
+    if scanned:
+        return hf.stack_sources(per_layer)
+    return {str(i): tree for i, tree in enumerate(per_layer)}
+
+
+def run_layers(layers, n_layers, x, cache, call, *, scanned, remat, inputs=None):
     """``(x, new cache)``: ``x`` through the ``n_layers`` layers in order, ``call(layer, x,
     layer_cache) -> (x, layer_cache)`` on each; ``layers`` stacked (``scanned``: run by a
     scan when there is no cache) or a list. ``cache``: ``{"layers": {"0": ..., ...}}`` or None
-    (the new cache is then None too)."""
+    (the new cache is then None too). ``inputs``: each layer's own further input in the same
+    form (e.g. cross-attention keys and values), passed as ``call``'s fourth argument (scanned
+    with the layer: its layers stacked as the scan's ``xs``)."""
+    per_layer = (lambda i: ()) if inputs is None else (lambda i: (inputs["layers"][str(i)],))
     if scanned and cache is None:
-        return scan_layers(layers, x, lambda layer, h: call(layer, h, None)[0], remat), None
+        xs = None if inputs is None else jax.tree_util.tree_map(
+            lambda *a: jnp.stack(a), *[inputs["layers"][str(i)] for i in range(n_layers)])
+        body = ((lambda layer, h: call(layer, h, None)[0]) if inputs is None
+                else (lambda layer, h, layer_xs: call(layer, h, None, layer_xs)[0]))
+        return scan_layers(layers, x, body, remat, xs), None
     run = nnx.remat(call) if remat else call
     new = {}
     for i in range(n_layers):
-        layer = layer_at(layers, i) if scanned else layers[i]
-        x, new[str(i)] = run(layer, x, None if cache is None else cache["layers"][str(i)])
+        x, new[str(i)] = run(layer_of(layers, i, scanned), x,
+                             None if cache is None else cache["layers"][str(i)], *per_layer(i))
     return x, None if cache is None else {"layers": new}

@@ -16,10 +16,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import ConfigError, DataError
-from . import hf
+from . import hf, stacked
 from .activations import activation
-from .blocks import dense, layer_norm, merge_heads, run_layer, split_heads
+from .blocks import dense, layer_norm, merge_heads, split_heads
 from .layers import attend
+
+# Config fields not in config.json: how redcoast runs the model, and whether it has a pooler
+_NOT_IN_HF = ("dtype", "remat", "scan_layers", "add_pooling_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Config:
     initializer_range: float = 0.02
     dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False  # the layers stacked and run by a scan (models/stacked.py)
 
     def __post_init__(self):
         if self.pooler_output_size is None:
@@ -65,12 +69,12 @@ class Config:
                     raise ConfigError(f"{key}={d[key]}: redcoast's ViT takes square images and "
                                       "patches only.")
                 d = {**d, key: d[key][0]}
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "remat", "add_pooling_layer"}
+        names = {f.name for f in dataclasses.fields(cls)} - set(_NOT_IN_HF)
         return cls(**{k: d[k] for k in names if k in d})
 
     def to_hf(self):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("dtype", "remat", "add_pooling_layer")}
+             if f.name not in _NOT_IN_HF}
         return {**d, "model_type": "vit", "architectures": ["ViTModel"],
                 "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
@@ -145,8 +149,9 @@ class ViTModel(nnx.Module):
         self.cls_token = nnx.Param(init(rngs.params(), (1, 1, c.hidden_size), param_dtype))
         self.position_embeddings = nnx.Param(init(rngs.params(), (1, c.num_patches + 1,
                                                                   c.hidden_size), param_dtype))
-        self.layers = nnx.List([ViTLayer(c, rngs=rngs, param_dtype=param_dtype)
-                                for _ in range(c.num_hidden_layers)])
+        self.layers = stacked.make_layers(
+            lambda i, r: ViTLayer(c, rngs=r, param_dtype=param_dtype), c.num_hidden_layers, rngs,
+            c.scan_layers)
         self.layernorm = layer_norm(c.hidden_size, eps=c.layer_norm_eps, dtype=c.dtype,
                                     param_dtype=param_dtype, rngs=rngs)
         if c.add_pooling_layer:
@@ -158,8 +163,9 @@ class ViTModel(nnx.Module):
         x = self.patch_embeddings(pixel_values)
         cls = jnp.broadcast_to(self.cls_token[...].astype(x.dtype), (x.shape[0], 1, x.shape[2]))
         x = jnp.concatenate([cls, x], axis=1) + self.position_embeddings[...].astype(x.dtype)
-        for layer in self.layers:
-            x = run_layer(layer, c.remat, x)
+        x, _ = stacked.run_layers(self.layers, c.num_hidden_layers, x, None,
+                                  lambda layer, h, _: (layer(h), None),
+                                  scanned=c.scan_layers, remat=c.remat)
         x = self.layernorm(x)
         pooled = None
         if c.add_pooling_layer:
@@ -197,7 +203,7 @@ def hf_sources(config, module_cls=ViTModel, prefix=""):
                                 "bias": src("embeddings.patch_embeddings.projection.bias")},
            "cls_token": src("embeddings.cls_token"),
            "position_embeddings": src("embeddings.position_embeddings"),
-           "layers": {str(i): layer(i) for i in range(config.num_hidden_layers)},
+           "layers": stacked.layer_sources(layer, config.num_hidden_layers, config.scan_layers),
            "layernorm": norm("layernorm")}
     if config.add_pooling_layer:
         out["pooler"] = linear("pooler.dense")
