@@ -348,12 +348,19 @@ def _model_shape(config, param_dtype, scannable):
                                     config_overrides={"scan_layers": True} if scannable else None)
     n_params = int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract)))
     hidden = next(fields[k] for k in ("hidden_size", "n_embd", "d_model") if k in fields)
-    depth = [fields.get(k) or 0 for k in ("num_hidden_layers", "n_layer", "num_layers",
-                                         "encoder_layers", "decoder_layers",
-                                         "num_decoder_layers")]
-    shape = plan_search.ModelShape(n_params, max(1, sum(depth)), int(hidden),
+    shape = plan_search.ModelShape(n_params, _depth(fields), int(hidden),
                                    np.dtype(param_dtype).itemsize)
     return shape, abstract
+
+
+def _depth(fields):
+    """Layers in all (an encoder-decoder's both stacks) as the config.json names them."""
+    if "encoder_layers" in fields:  # BART
+        return int(fields["encoder_layers"]) + int(fields.get("decoder_layers") or 0)
+    if "num_layers" in fields:  # T5: decoder as deep unless said
+        return int(fields["num_layers"]) + int(fields.get("num_decoder_layers")
+                                               or fields["num_layers"])
+    return int(fields.get("num_hidden_layers") or fields.get("n_layer") or 1)
 
 
 def _rates(target, param_dtype):

@@ -127,6 +127,31 @@ def test_a_table_1_row_through_the_cli(tmp_path):
     assert record["per_device_peak_bytes"] >= record["params_bytes"] + record["optimizer_bytes"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, bytes_a_parameter", [
+    ([], 16), (["--model-shards", "1"], 16),
+    (["--model-shards", "1", "--param-dtype", "bfloat16"], 8)])
+def test_llama_3_8b_on_8_devices_of_80_gib_at_4096_tokens_fits(tmp_path, flags, bytes_a_parameter):
+    """Issue 46's case: FSDP over one 8-device host was DOES NOT FIT (209 GiB of temporaries);
+    the plan now tries remat and scanned layers itself. The state is exact: parameters,
+    gradients and AdamW's two moments over 8 devices (bf16: 2 + 2 + 2 x 2 bytes)."""
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "redcoast", "plan", os.path.join(ROOT, "benchmarks", "configs",
+         "llama-3-8b.json"), "--devices", "8", "--device-memory", "80GiB", "--seq-len", "4096",
+         "--json", str(out), *flags], capture_output=True, text=True, timeout=1200, cwd=ROOT,
+        env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    assert record["fits"], done.stdout
+    state = record["params_bytes"] + record["optimizer_bytes"] + record["gradient_bytes"]
+    assert state == pytest.approx(bytes_a_parameter * record["n_params"] / 8, rel=0.03)
+    assert record["host_memory_bytes"] < 6 * 2**30
+    chosen = [c for c in record["candidates"] if c["status"] == "FITS"]
+    assert len(chosen) == 1 and chosen[0]["remat"] == record["remat"]
+
+
 def _has_libtpu():
     from importlib.metadata import PackageNotFoundError, version
     try:
