@@ -128,13 +128,13 @@ class LoRA:
     def trains_whole(self, path, adapted_modules=()):
         """Whether the parameter at ``path`` is trained whole: ``modules_to_save`` matches it,
         or it is a bias that ``bias`` trains (``adapted_modules``: the paths of the modules
-        holding an adapted kernel, for ``"lora_only"``)."""
+        holding an adapted kernel, a set of key tuples, for ``"lora_only"``)."""
         if self.in_modules_to_save(path):
             return True
         if self.bias == "all":
             return "bias" in _as_str(path)
         return (self.bias == "lora_only" and "bias" in str(path[-1])
-                and tuple(path[:-1]) in set(map(tuple, adapted_modules)))
+                and tuple(path[:-1]) in adapted_modules)
 
     def selected(self, params):
         """The paths of the kernels of ``params`` that get adapters: tuples of the tree's own
@@ -425,7 +425,8 @@ def check_adapters(adapters, lora=None):
     modules = {k[:-1] for k in kernels}
     whole = [p for p, _ in leaves if p[-1] not in ADAPTER_KEYS
              and lora is not None and lora.trains_whole(p, modules)]
-    stray = [p for p, _ in leaves if p[-1] not in ADAPTER_KEYS and p not in set(whole)]
+    kept = set(whole)
+    stray = [p for p, _ in leaves if p[-1] not in ADAPTER_KEYS and p not in kept]
     if stray:
         shown = ", ".join(path_str(p) for p in stray[:5]) + (" ..." if len(stray) > 5 else "")
         whole_tree = (" None of its leaves is an adapter: was the full base passed as the "

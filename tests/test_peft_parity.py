@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from redcoast import LoRA
+from redcoast import ConfigError, LoRA
 from redcoast.models import from_pretrained, load_peft_adapters, save_peft_adapters
 
 torch = pytest.importorskip("torch", reason="test-only reference: pip install torch==2.13.0")
@@ -215,3 +215,27 @@ def test_dora_gradients_equal_peft_s(tmp_path):
         want = grads[name]
         assert np.abs(want).max() > 1e-4, name
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.slow  # ~8 s: a Llama, three PEFT models
+def test_trained_embeddings_of_a_tied_model_load_when_peft_ties_them_too(tmp_path):
+    """A tied model (one embedding in redcoast): PEFT's trained embedding copy feeds the output
+    too only with ensure_weight_tying; without it PEFT keeps the original for the output, which
+    redcoast cannot be, so that folder is refused."""
+    tied = dict(LLAMA, tie_word_embeddings=True)
+    base, model, params = _base_folder(
+        tmp_path, transformers.LlamaForCausalLM(transformers.LlamaConfig(**tied)))
+    config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj"],
+                             modules_to_save=["embed_tokens"], ensure_weight_tying=True)
+    lora, adapters, written = _both_ways(tmp_path / "tying", base, model, params,
+                                         transformers.AutoModelForCausalLM, config,
+                                         [_ids(LLAMA["vocab_size"])])
+    assert written["ensure_weight_tying"] and "embedding" in adapters["embed_tokens"]
+    config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj"],
+                             modules_to_save=["embed_tokens"])
+    peft_model = _trained(peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(base), config), 4)
+    peft_model.save_pretrained(str(tmp_path / "untied"))
+    with pytest.raises(ConfigError, match="ensure_weight_tying off: PEFT then uses the trained "
+                       "copy for the input only"):
+        load_peft_adapters(str(tmp_path / "untied"), model)

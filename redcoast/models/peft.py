@@ -52,6 +52,9 @@ REFUSED = {
 }
 # init_lora_weights that change the base weights too: the folder alone is no model
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+# input embeddings' module names, and the output embeddings' weight a tied model shares them with
+EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "shared", "embed_in")
+TIED_OUTPUT = "lm_head.weight"
 
 
 def _params(model):
@@ -90,6 +93,17 @@ def _module_kinds(model):
     return {src.name[:-len(".weight")]: len(hf.stored_shape(src, shape)) == 2
             for path, src, shape in _params(model)
             if path[-1] == "kernel" and src.name.endswith(".weight")}
+
+
+def _tied(model, names):
+    """Whether ``model`` ties its output embeddings to its input ones (one parameter in
+    redcoast; PEFT sees an ``lm_head`` of its own), ``names`` its Hugging Face tensors."""
+    return (_task_type(model) in ("CAUSAL_LM", "SEQ_2_SEQ_LM") and TIED_OUTPUT not in names
+            and model.config.to_hf().get("tie_word_embeddings", True))
+
+
+def _embedding(name):
+    return len(name.split(".")) > 1 and name.split(".")[-2] in EMBEDDINGS
 
 
 def _task_type(model):
@@ -138,7 +152,7 @@ def save_peft_adapters(model, lora, adapters, folder, *, base_model_name_or_path
         raise ConfigError("save_peft_adapters: the adapted modules mix nn.Linear and Conv1D "
                           "weights, and one PEFT config has one fan_in_fan_out. Fix: adapt "
                           "modules of one kind per folder.")
-    saved_modules = []
+    saved_modules, tied = [], []
     for path in whole:
         if tuple(map(str, path)) not in params:
             raise ConfigError(f"save_peft_adapters: the parameter {path_str(path)}, trained "
@@ -148,6 +162,10 @@ def save_peft_adapters(model, lora, adapters, folder, *, base_model_name_or_path
         module, param = src.name.rsplit(".", 1)
         stored = f"{module}.base_layer.{param}" if module in names else src.name
         entries.append(entry(PREFIX + stored, _as_stored(src, _get(adapters, path))))
+        if _embedding(src.name) and _tied(model, {s.name for s, _ in params.values()}):
+            # PEFT ties its lm_head to the trained copy only with ensure_weight_tying
+            entries.append(entry(PREFIX + TIED_OUTPUT, _as_stored(src, _get(adapters, path))))
+            tied.append(module)
         if lora.in_modules_to_save(path):
             saved_modules.append(module)
         elif not _peft_trains_bias(lora.bias, src.name, names):
@@ -161,6 +179,7 @@ def save_peft_adapters(model, lora, adapters, folder, *, base_model_name_or_path
               "use_rslora": lora.use_rslora, "use_dora": lora.use_dora,
               "modules_to_save": _modules_to_save(sorted(set(saved_modules)), all_modules),
               "inference_mode": True, "init_lora_weights": True,
+              "ensure_weight_tying": bool(tied),
               "rank_pattern": _pattern(ranks, lora.rank),
               "alpha_pattern": _pattern(alphas, lora.alpha),
               "base_model_name_or_path": (base_model_name_or_path if base_model_name_or_path
@@ -316,7 +335,7 @@ def load_peft_adapters(folder, model, params=None):
     tensors = read_safetensors(weights_path, "save the PEFT adapters again")
     hf_params = {src.name: (p, src, shape) for p, src, shape in _params(model)}
     by_module = {m: tuple(p.split("/")) for p, (m, _) in _modules(model).items()}
-    parts, whole, unknown = {}, {}, []
+    parts, whole, unknown, tied_copy = {}, {}, [], None
     for key in sorted(tensors):
         name = key[len(PREFIX):] if key.startswith(PREFIX) else None
         pair = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.weight|(.+)\.lora_magnitude_vector(\.weight)?",
@@ -326,6 +345,8 @@ def load_peft_adapters(folder, model, params=None):
             parts.setdefault(module, {})[pair.group(2) or MAGNITUDE] = tensors[key]
         elif name is not None and name.replace(".base_layer.", ".") in hf_params:
             whole[name.replace(".base_layer.", ".")] = tensors[key]
+        elif name == TIED_OUTPUT and _tied(model, hf_params):
+            tied_copy = tensors[key]
         else:
             unknown.append(key)
     if unknown:
@@ -335,6 +356,8 @@ def load_peft_adapters(folder, model, params=None):
     # PEFT adapts the modules target_modules names and fills them from the weights
     check_targets(config, _module_kinds(model), set(parts), weights_path, path)
     _check_whole(config, whole, set(parts), weights_path, path)
+    if _tied(model, hf_params):
+        _check_tied(config, whole, tied_copy, weights_path, path)
     adapters = {}
     for module, held in sorted(parts.items()):
         kernel_path = by_module[module]
@@ -399,6 +422,25 @@ def _check_whole(config, whole, adapted, weights_file, config_file):
                           f"(bias={bias!r}, modules_to_save={config.get('modules_to_save')!r}): "
                           "PEFT would load them into the base model, a model its config does not "
                           "describe. Fix: save the adapters again (peft_model.save_pretrained).")
+
+
+def _check_tied(config, whole, tied_copy, weights_file, config_file):
+    """A model whose output embeddings are its input ones: PEFT's trained embedding is the
+    output one too only with ensure_weight_tying (its lm_head then holds the same copy)."""
+    embeddings = [n for n in whole if _embedding(n)]
+    if tied_copy is not None and not any(np.array_equal(tied_copy, whole[n]) for n in embeddings):
+        raise ConfigError(f"{weights_file} holds a trained {TIED_OUTPUT} that differs from the "
+                          "input embeddings, and the model ties the two (one parameter in "
+                          "redcoast). Fix: save the adapters again (peft_model.save_pretrained) "
+                          "from a model trained with LoraConfig(ensure_weight_tying=True).")
+    if embeddings and tied_copy is None and not config.get("ensure_weight_tying"):
+        raise ConfigError(f"{weights_file} holds trained input embeddings ({embeddings[0]}) of a "
+                          "model that ties them to its output ones, and "
+                          f"{config_file} has ensure_weight_tying off: PEFT then uses the trained "
+                          "copy for the input only and the original for the output, which "
+                          "redcoast's one shared parameter cannot be. Fix: train with "
+                          "LoraConfig(ensure_weight_tying=True), which trains one copy for "
+                          "both.")
 
 
 def _prefixes(name):
