@@ -190,7 +190,8 @@ def test_dora_gradients_equal_peft_s(tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(base), config), 7)
     peft_model.save_pretrained(str(tmp_path / "theirs"))
     ids = _ids(64)
-    out = peft_model(torch.tensor(ids, dtype=torch.long), labels=torch.tensor(ids, dtype=torch.long))
+    tokens = torch.tensor(ids, dtype=torch.long)
+    out = peft_model(tokens, labels=tokens)
     out.loss.backward()
     grads = {n: p.grad.numpy() for n, p in peft_model.named_parameters() if p.requires_grad}
 
