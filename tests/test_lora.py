@@ -627,3 +627,23 @@ def test_every_option_saves_and_loads_in_redcoast_s_format(tmp_path):
     ids = jnp.asarray(_collate(_examples(2))["ids"])
     np.testing.assert_array_equal(jax.jit(model.apply)(lora2.merge(base, loaded), ids),
                                   jax.jit(model.apply)(lora.merge(base, adapters), ids))
+
+
+@pytest.mark.slow  # a Trainer fit: 33 s on the shared 2-core box (load average 12)
+def test_dora_adapters_and_a_head_trained_whole_train_and_the_loss_falls():
+    model, base = _model()
+    kept = jax.tree_util.tree_map(np.array, base)
+    lora = LoRA(rank=4, alpha=8, targets=r"(q_proj|v_proj|up_proj)/kernel$", use_dora=True,
+                modules_to_save=r"^lm_head/")
+    trainer = _lora_trainer(1, optax.adam(3e-2), base, lora)
+    examples = _examples(32)
+    before = trainer.eval_loss(examples, 4)
+    trainer.fit(examples, per_device_batch_size=4, n_epochs=4)
+    after = trainer.eval_loss(examples, 4)
+    assert after < 0.7 * before, (before, after)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, trainer.frozen_params, kept)
+    trained = trainer.params
+    assert not np.allclose(trained["lm_head"]["kernel"], kept["lm_head"]["kernel"])
+    magnitude = trained["layers"]["0"]["mlp"]["up_proj"]["kernel"]["lora_magnitude"]
+    assert not np.allclose(magnitude, np.linalg.norm(kept["layers"]["0"]["mlp"]["up_proj"][
+        "kernel"], axis=0))
