@@ -412,7 +412,7 @@ def _check_whole(config, whole, adapted, weights_file, config_file):
     """Each whole parameter the weights hold is one PEFT trains: its module in
     ``modules_to_save`` (a sequence classifier's head always is), or a bias by ``bias``."""
     saved = list(config.get("modules_to_save") or [])
-    if config.get("task_type") == "SEQ_CLS":
+    if config.get("task_type") in ("SEQ_CLS", "TOKEN_CLS"):  # PEFT adds the heads to train
         saved += SEQ_CLS_HEADS
     bias = config.get("bias", "none")
     stray = [n for n in sorted(whole) if not _peft_trains_bias(bias, n, adapted)
