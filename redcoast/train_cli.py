@@ -4,9 +4,11 @@
     redcoast train run.yaml --trainer.fsdp=false --fit.n_epochs=3 --lora.rank=8
     redcoast train run.yaml --optimizer.learning_rate=1e-5 --allow-changes
 
-Fine-tunes a Hugging Face folder, a GGUF file, or a fresh model from a config.json on text
-records from files (redcoast/text_task.py): a causal-LM or seq2seq loss, LoRA optional. The
-file is a :class:`~redcoast.run_config.RunConfig`; each ``--section.field=value`` replaces one
+Fine-tunes a Hugging Face folder, a GGUF file, or a fresh model from a config.json on records
+from files (redcoast/text_task.py): text, prompt/completion, or conversations through the
+model's own chat template (trained on the assistant's tokens), padded or packed, a held-out
+share optional; a causal-LM or seq2seq loss; LoRA optional, exported merged or as a PEFT
+folder. The file is a :class:`~redcoast.run_config.RunConfig`; each ``--section.field=value`` replaces one
 field. Values no run can mean (``data.max_length: 0``, a negative learning rate) are refused
 before any work (redcoast/run_checks.py). The record of the run (overrides applied, paths
 absolute) is printed at the start and written to ``<workdir>/run.yaml`` and into every
