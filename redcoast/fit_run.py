@@ -443,8 +443,9 @@ class FitRun:
                 if finished:
                     last = stop is not None or epoch + 1 == schedule.n_epochs
                     trainer.set_progress(trainer.progress.next_epoch())
-                    for callback in self.actions:
-                        stop = stop or callback.after_epoch(self, epoch, last) or self.stop_requested
+                    for callback in self.actions:  # every one: the last save among them
+                        asked = callback.after_epoch(self, epoch, last)
+                        stop = stop or asked or self.stop_requested
                     if stop is not None and not last:  # a callback ended the run here
                         self._at_stop(stop)
                 elif stop is not None:
@@ -495,12 +496,12 @@ class FitRun:
         return self.stop_reason, finished
 
     def _after_step(self, position: int) -> bool:
-        for callback in self.actions:
-            reason = callback.after_step(self) or self.stop_requested
-            if reason:
-                self.stop_reason = reason
-                return True
-        return False
+        reason = None
+        for callback in self.actions:  # every one sees the step; the first reason stops
+            asked = callback.after_step(self)
+            reason = reason or asked or self.stop_requested
+        self.stop_reason = reason
+        return reason is not None
 
     def _say_leftover(self, epoch: int, skip: int) -> None:
         per_update, source = self.schedule.per_update, self.source

@@ -106,8 +106,9 @@ def test_a_callback_sees_every_step_and_evaluation_and_history_is_metrics_jsonl(
     trainer = make_trainer(tmp_path)
     examples = make_examples(24)  # 4 examples an update (4 data shards): 6 updates an epoch
     recorder = Recorder()
-    history = trainer.fit(examples, 1, 2, eval_examples=examples[:4], eval_every_n_steps=4,
-                          log_every_n_steps=3, callbacks=[recorder])
+    # 3 epochs, but max_steps ends the run with the second's last update
+    history = trainer.fit(examples, 1, 3, eval_examples=examples[:4], eval_every_n_steps=4,
+                          log_every_n_steps=3, max_steps=12, callbacks=[recorder])
     names = ["acc", "loss"]
     # every 4 updates (4, 8, 12) and each epoch's end (6, 12: once); the built-in callbacks
     # (saving, evaluating) run before the user's
@@ -116,7 +117,7 @@ def test_a_callback_sees_every_step_and_evaluation_and_history_is_metrics_jsonl(
          ("step", 6), ("eval", 6, names), ("epoch", 0, False), ("step", 7), ("eval", 8, names),
          ("step", 8), ("step", 9), ("step", 10), ("step", 11), ("eval", 12, names),
          ("step", 12), ("epoch", 1, True), ("end",)])
-    assert isinstance(history, History) and history.stopped_by is None
+    assert isinstance(history, History) and history.stopped_by == "max_steps"
     assert not history.already_complete and history.final_step == 12
     by_step, counts = metrics_by_step(tmp_path)
     assert history.by_step == by_step
