@@ -17,6 +17,7 @@ from .errors import LossError
 from .sharding.fusion import fuse_sibling_matmuls
 from .sharding.grouped_conv import guard_grouped_convs
 from .sharding.paths import leaves_with_paths
+from .sharding.remat_weights import gather_in_remat, gathered_in_remat
 from .sharding.scanned_weights import gather_layer_by_layer, scanned_leaves
 
 
@@ -142,14 +143,20 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
                        gathered(p, compute_dtype, shardings), batch, True)
 
     def objective_of(state, params, batch, rng):
-        shardings, layer_specs = compute_shardings, {}
+        shardings, layer_specs, remat_specs = compute_shardings, {}, {}
         if (mesh is not None and guard_plan is not None and guard_plan.knows_placements
                 and _stored_otherwise(compute_shardings, stored_shardings, params)):
             weights = guard_plan.leaf_splits(leaves_with_paths(params))
-            shardings, layer_specs = _gathered_in_scans(
-                jax.make_jaxpr(lambda p: training_loss(p, batch, rng, state, None))(params),
-                weights, compute_shardings, stored_shardings)
+            closed = jax.make_jaxpr(lambda p: training_loss(p, batch, rng, state, None))(params)
+            shardings, layer_specs = _gathered_in_scans(closed, weights, compute_shardings,
+                                                        stored_shardings)
+            shardings, remat_specs = gathered_in_remat(closed, weights, shardings,
+                                                       compute_shardings, stored_shardings)
         fn = lambda p, b, r: training_loss(p, b, r, state, shardings)  # noqa: E731
+        if remat_specs:  # cast and kept as stored here, gathered in the layers (remat_weights.py)
+            inner = gather_in_remat(lambda p, b, r: loss_fn(
+                r, with_frozen_cast(state, compute_dtype), p, b, True), mesh, remat_specs)
+            fn = lambda p, b, r: inner(gathered(p, compute_dtype, shardings), b, r)  # noqa: E731
         if layer_specs:
             fn = gather_layer_by_layer(fn, mesh, weights, layer_specs)
         return fn if mesh is None else guard_grouped_convs(fn, mesh, plan=guard_plan)

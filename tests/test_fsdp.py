@@ -305,3 +305,49 @@ def test_remat_keeps_one_layer_of_attention_on_the_cpu_stand_in():
     scores = 4 * 512 * 512 * 4  # one layer's attention probabilities, float32, one row
     assert kept > 4 * scores  # every layer's scores at least once
     assert rematerialised < 0.5 * kept
+
+
+def _checkpointed_constraints(jaxpr):
+    """How many sharding constraints run inside rematerialised bodies of ``jaxpr``."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        for sub in subs:
+            sub = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            if eqn.primitive.name in ("checkpoint", "remat", "remat2"):
+                count += sum(e.primitive.name == "sharding_constraint" for e in sub.eqns)
+            count += _checkpointed_constraints(sub)
+    return count
+
+
+@pytest.mark.slow  # two FSDP steps on 8 devices: 70 s on 2 busy cores
+def test_rematerialised_layers_gather_their_weights_inside_and_train_the_same():
+    # FSDP gathers a rematerialised layer's weights inside its remat, so that the backward pass
+    # gathers them again instead of keeping every layer gathered (sharding/remat_weights.py)
+    from redcoast.models import Model
+    from redcoast.models.llama import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, remat=True)
+    model = Model(LlamaForCausalLM, config)
+    params = model.init(0)
+    rows = np.random.RandomState(0).randint(0, 64, (16, 9)).astype(np.int32)
+
+    def lm_loss(rng, state, p, batch, is_training):
+        logits = model.apply(p, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+    deployer = Deployer(n_model_shards=1, verbose=False)
+    trainer = Trainer(deployer, lambda batch: {"ids": np.stack(batch)}, model.apply, lm_loss,
+                      params, optax.sgd(0.5), fsdp=True)
+    trainer.fit(list(rows), 1, 1, shuffle=False)
+    assert trainer.step == 2
+    step = trainer.layout.train_step.__wrapped__  # the step as traced, not compiled
+    traced = jax.make_jaxpr(step)(trainer.state, {"ids": rows[:8]}, jax.random.PRNGKey(0))
+    assert _checkpointed_constraints(traced.jaxpr) >= 2 * 9  # both layers' nine weights
+
+    state = types.SimpleNamespace(apply_fn=model.apply)
+    for i in range(2):
+        grads = jax.grad(lambda p: lm_loss(None, state, p, {"ids": rows[8 * i:8 * i + 8]}, True))(
+            params)
+        params = jax.tree_util.tree_map(lambda p, g: p - 0.5 * g, params, grads)
+    assert_trees_close(trainer.params, params)
