@@ -385,7 +385,8 @@ class Trainer:
         trained on. ``eval_metric_fn(eval_examples, predictions) -> dict`` scores
         ``eval_predictor``'s predictions. Checkpoints go to ``workdir/checkpoints``: ``steps/``
         every ``save_every_n_steps`` updates, every ``save_every_k_epochs`` epochs, at the end
-        (``save_last_ckpt``; None, the default: where the Deployer has a workdir) and on
+        (``save_last_ckpt``; None, the default: where the Deployer has a workdir and ``resume``
+        is on, so that a rerun finds the run complete) and on
         SIGTERM/SIGINT; ``best_min_<name>/`` and ``best_max_<name>/`` keep the best by an eval
         result ('loss' or a key of ``eval_metric_fn``'s dict). With ``resume`` (default) a run
         whose workdir holds a checkpoint continues from it exactly (a stream started afresh,
@@ -411,8 +412,8 @@ class Trainer:
                           max_steps=max_steps, eval_every_n_steps=eval_every_n_steps)
         keep_best = ([(m, min) for m in save_argmin_ckpt_by_metrics or []]
                      + [(m, max) for m in save_argmax_ckpt_by_metrics or []])
-        if save_last_ckpt is None:  # the end of a run is saved wherever it can be
-            save_last_ckpt = self.deployer.workdir is not None
+        if save_last_ckpt is None:  # a run that resumes saves its end: a rerun finds it complete
+            save_last_ckpt = self.deployer.workdir is not None and bool(resume)
         callbacks = validate_callbacks(callbacks)
         wants_saving = bool(save_every_n_steps or save_every_k_epochs or save_last_ckpt or keep_best)
         if wants_saving and self.deployer.workdir is None:

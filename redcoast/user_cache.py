@@ -128,7 +128,8 @@ def repair_entries(directory, lock_timeout_s=10.0):
         parts.append(f"{removed} damaged entr{'y' if removed == 1 else 'ies'} (cut short or "
                      "unreadable) removed")
     if orphans:
-        parts.append(f"{orphans} access record{'' if orphans == 1 else 's'} without an entry removed")
+        parts.append(f"{orphans} access record{'' if orphans == 1 else 's'} without an entry "
+                     "removed")
     return "; " + ", ".join(parts) if parts else ""
 
 

@@ -238,3 +238,10 @@ def tensorboard_scalars(workdir):
             out.setdefault(tag, []).append((step, value))
     assert set(out) == tags
     return out
+
+
+def test_a_run_that_does_not_resume_saves_its_end_only_when_asked(tmp_path):
+    trainer = make_trainer(tmp_path)
+    history = trainer.fit(make_examples(8), 1, 1, resume=False)
+    trainer.deployer.close()
+    assert history.final_step == 2 and not (tmp_path / "checkpoints").exists()

@@ -150,7 +150,8 @@ def main():
     untrained = metric_fn(valid, predictor.predict(valid, batch_size, trainer.params))
     metrics.update({f"untrained_{k}": v for k, v in untrained.items()})
     trainer.fit(train, per_device_batch_size=batch_size, n_epochs=n_epochs, eval_examples=valid,
-                eval_predictor=predictor, eval_metric_fn=metric_fn, check_layout=args.check_layout)
+                eval_predictor=predictor, eval_metric_fn=metric_fn, check_layout=args.check_layout,
+                resume=False)  # both tasks share the workdir: each trains afresh
     metrics.update(history[-1])  # the last epoch's evaluation
     print(json.dumps(metrics, indent=1))
     for ex, pred in list(zip(valid, predictor.predict(valid[:8], batch_size, trainer.params)))[:4]:
