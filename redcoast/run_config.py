@@ -40,7 +40,8 @@ NOT_DATA = {
         "train_examples": "examples (redcoast train: the data section)",
         "eval_examples": "examples (redcoast train: the data section)",
         "eval_predictor": "a Predictor object", "eval_metric_fn": "a function",
-        "checkpoint_files": "files kept with every checkpoint (redcoast train: the record)"},
+        "checkpoint_files": "files kept with every checkpoint (redcoast train: the record)",
+        "callbacks": "Callback objects (redcoast/callbacks.py)"},
 }
 
 
@@ -106,7 +107,7 @@ class FitConfig:
     eval_loss: bool = True
     save_every_n_steps: Optional[int] = None
     save_every_k_epochs: Optional[int] = None
-    save_last_ckpt: bool = False
+    save_last_ckpt: Optional[bool] = None  # None: where the run can resume (fit's default)
     save_argmin_ckpt_by_metrics: Optional[list[str]] = None
     save_argmax_ckpt_by_metrics: Optional[list[str]] = None
     keep_last_n_ckpts: Optional[int] = None
