@@ -67,7 +67,7 @@ def make_trainer(workdir, loss=loss_fn, verbose=False, tensorboard=False):
     model, params = make_model()
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(workdir), verbose=verbose,
                         run_tensorboard=tensorboard)
-    return Trainer(deployer, collate_fn, model.apply, loss, params, optax.sgd(0.05))
+    return Trainer(deployer, collate_fn, model.apply, loss, params, optax.sgd(0.05), fsdp=False)
 
 
 def metrics_by_step(workdir, drop=("time",)):
@@ -102,6 +102,7 @@ class Recorder(Callback):
         self.calls.append(("end",))
 
 
+@pytest.mark.slow  # 15 s
 def test_a_callback_sees_every_step_and_evaluation_and_history_is_metrics_jsonl(tmp_path):
     trainer = make_trainer(tmp_path)
     examples = make_examples(24)  # 4 examples an update (4 data shards): 6 updates an epoch
