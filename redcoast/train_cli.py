@@ -26,7 +26,7 @@ import sys
 from .errors import ConfigError, DataError
 from .folder_files import file_in_folder
 from .run_config import ResumeConfig, RunConfig, absolute_paths
-from .run_record import HISTORY, RECORD, check_resume, keep
+from .run_record import HISTORY, RECORD, check_resume, keep, newest_checkpoint
 
 ALLOW_CHANGES = "--allow-changes"  # the same as --resume.allow_changes=true
 PEFT_SUBFOLDER = "adapter"  # lora.save: both: the PEFT folder inside the merged model's
@@ -123,15 +123,31 @@ def _train(cfg, deployer, record):
                       **cfg.trainer_kwargs())
     del params, frozen  # the trainer holds its own copies
     eval_batch = cfg.fit.eval_per_device_batch_size or cfg.fit.per_device_batch_size
-    if cfg.eval_at_start and eval_examples:
+    resuming = cfg.fit.resume and newest_checkpoint(cfg.deployer.workdir) is not None
+    if cfg.eval_at_start and eval_examples and not resuming:  # logged once, at the run's start
         loss = trainer.eval_loss(eval_examples, eval_batch)
         deployer.log_info(f"eval loss before training: {loss:.4f}")
         deployer.log_metrics({"eval_loss_at_start": loss}, 0)
-    trainer.fit(train_examples, eval_examples=eval_examples, checkpoint_files={RECORD: record},
-                **cfg.fit_kwargs())
-    if cfg.export:
+    history = trainer.fit(train_examples, eval_examples=eval_examples,
+                          checkpoint_files={RECORD: record}, **cfg.fit_kwargs())
+    if cfg.export and history.already_complete and _exported(cfg, lora):
+        deployer.log_info(f"{cfg.export} already holds this complete run's export: kept as it is")
+    elif cfg.export:
         export(cfg, model, tokenizer, trainer, lora, deployer)
     return trainer
+
+
+def _exported(cfg, lora):
+    """Whether ``cfg.export`` holds every file the export writes last (a local folder)."""
+    save = cfg.lora.save if lora is not None else "merged"
+    wanted = []
+    if save in ("merged", "both"):
+        wanted.append([os.path.join(cfg.export, name)
+                       for name in ("model.safetensors", "model.safetensors.index.json")])
+    if save in ("peft", "both"):
+        folder = cfg.export if save == "peft" else os.path.join(cfg.export, PEFT_SUBFOLDER)
+        wanted.append([os.path.join(folder, "adapter_model.safetensors")])
+    return all(any(os.path.isfile(path) for path in paths) for paths in wanted)
 
 
 def load_examples(data, task, tokens, template, deployer):

@@ -311,6 +311,14 @@ def test_a_run_from_a_file_keeps_its_record_and_reruns_from_it(tmp_path, monkeyp
         np.testing.assert_array_equal(rerun[name], trained[name], err_msg=name)
     assert (steps / last / "files" / "run.yaml").read_text() == stored.read_text()
 
+    # a third time, its export in place: nothing trained, nothing written again
+    written = os.stat(tmp_path / "out" / "model.safetensors").st_mtime_ns
+    assert main([str(stored)]) == 0
+    out = capfd.readouterr()
+    out = out.out + out.err
+    assert "already complete at step" in out and "already holds this complete run's export" in out
+    assert os.stat(tmp_path / "out" / "model.safetensors").st_mtime_ns == written
+
 
 def test_the_command_names_what_is_missing_or_wrong(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
