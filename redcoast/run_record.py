@@ -17,7 +17,8 @@ A run started afresh in a workdir holding an earlier run's records moves them as
 Fields that count: every one, except those that cannot change the numbers a run trains to
 (:data:`UNCOUNTED`): where messages and metrics go (``deployer.verbose``, ``run_tensorboard``,
 ``wandb_init_kwargs``, ``fit.log_every_n_steps``), where the run and its result live
-(``deployer.workdir``: a workdir moved or copied is the same run; ``export``), the addresses of
+(``deployer.workdir``: a workdir moved or copied is the same run; ``export`` and
+``lora.save``, which say only what is written at the end), the addresses of
 a multi-host run (``deployer.process_id``, ``host0_address``, ``host0_port``: they differ per
 process and after a restart on other machines), and the switches of the resume itself
 (``fit.resume``, ``resume.allow_changes``). Changes to those are logged and kept in the history,
@@ -37,7 +38,7 @@ HISTORY = "run-history"
 WHOLE = "(the record)"  # a change of the whole record: none stored, or one not readable
 UNCOUNTED = frozenset({
     "deployer.verbose", "deployer.run_tensorboard", "deployer.wandb_init_kwargs",
-    "fit.log_every_n_steps", "deployer.workdir", "export", "deployer.process_id",
+    "fit.log_every_n_steps", "deployer.workdir", "export", "lora.save", "deployer.process_id",
     "deployer.host0_address", "deployer.host0_port", "fit.resume", "resume.allow_changes"})
 
 
