@@ -12,8 +12,8 @@ import numpy as np
 from . import validate
 from .errors import ConfigError, DataError
 from .logprobs import token_logprobs
-from .models.generate import (check_token_ids, generate, left_pad, model_defaults,
-                              split_completions)
+from .models.generate import check_token_ids, generate, left_pad, split_completions
+from .models.search_parts import model_defaults
 from .predictor import Predictor
 
 #: pure sampling from the model's distribution at ``temperature`` (no top-k or top-p cut): what

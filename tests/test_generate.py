@@ -14,7 +14,8 @@ import pytest
 import redcoast
 from redcoast.errors import ConfigError, DataError
 from redcoast.models import Model, llama
-from redcoast.models.generate import generate, left_pad, top_k_filter, top_p_filter
+from redcoast.models.generate import generate, left_pad
+from redcoast.models.search_parts import top_k_filter, top_p_filter
 
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 needs_torch = pytest.mark.skipif(

@@ -1,6 +1,7 @@
 """generate's defaults (EOS and pad from the model) and transformers' basic options (repetition
-penalty, min_new_tokens, no-repeat n-grams, forced BOS / EOS) against transformers' generate on
-the same random tiny Llama; stop sequences and stop strings against their definition."""
+penalty, min_new_tokens, min_length, no-repeat n-grams, forced BOS / EOS) against transformers'
+generate on the same random tiny Llama, greedy and with beam search; stop sequences and stop
+strings against their definition."""
 
 import json
 import re
@@ -57,8 +58,8 @@ IN_DEFAULT_SUITE = {"together"}  # the others, a few seconds each, in the slow s
 
 
 @needs_torch
-@pytest.mark.parametrize("name", [n if n in IN_DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in OPTIONS])
+@pytest.mark.parametrize("name", [n if n in IN_DEFAULT_SUITE else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in OPTIONS])
 def test_each_option_equals_transformers(tiny, name):
     reference, model, params = tiny
     options = OPTIONS[name]
@@ -84,6 +85,57 @@ def test_min_new_tokens_and_forced_bos_equal_transformers(tiny):
     assert (forced[:, 0] == 42).all()
     np.testing.assert_array_equal(forced, theirs(reference, ONE_TOKEN, forced_bos_token_id=42))
     assert (ours(model, params, EQUAL, forced_bos_token_id=42) == ours(model, params, EQUAL)).all()
+
+
+BEAMS = dict(num_beams=3, eos_token_id=[15, 6])  # EOS tokens the tiny model gives in beams
+BEAM_OPTIONS = {
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    "repetition_reward": dict(repetition_penalty=0.6, length_penalty=0.5,
+                              early_stopping="never"),
+    "no_repeat_bigrams": dict(no_repeat_ngram_size=2),
+    "forced_eos": dict(forced_eos_token_id=7),
+    "together": dict(repetition_penalty=1.3, no_repeat_ngram_size=3, forced_eos_token_id=[7, 8],
+                     length_penalty=2.0, early_stopping=True),
+}
+
+
+@needs_torch
+@pytest.mark.parametrize("name", [n if n in IN_DEFAULT_SUITE else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in BEAM_OPTIONS])
+def test_each_option_with_beam_search_equals_transformers(tiny, name):
+    """transformers applies its processors to each beam's log-probabilities and history."""
+    reference, model, params = tiny
+    options = {**BEAMS, **BEAM_OPTIONS[name]}
+    plain = ours(model, params, EQUAL, **BEAMS)
+    got = ours(model, params, EQUAL, **options)
+    assert not np.array_equal(got, plain), "the option changed nothing here: a useless test"
+    np.testing.assert_array_equal(got, theirs(reference, EQUAL, **options))
+
+
+@needs_torch
+@pytest.mark.slow  # 8 beam searches compiled: a minute on two shared cores
+def test_min_length_min_new_tokens_and_forced_bos_with_beam_search_equal_transformers(tiny):
+    reference, model, params = tiny
+    # as EOS, the second token of row 0's best hypothesis: it then ends after two tokens
+    eos = [int(ours(model, params, EQUAL, **{**BEAMS, "eos_token_id": ()})[0, 1])]
+    early = ours(model, params, EQUAL, **{**BEAMS, "eos_token_id": eos})
+    assert early[0, 1] == eos[0] and early[0, 2] == PAD
+    width = EQUAL.shape[1]
+    for options in (dict(min_new_tokens=4), dict(min_length=width + 4)):
+        options = {**BEAMS, "eos_token_id": eos, **options}
+        delayed = ours(model, params, EQUAL, **options)
+        assert (delayed[:, :4] != eos[0]).all() and delayed[0, 2] != PAD
+        np.testing.assert_array_equal(delayed, theirs(reference, EQUAL, **options))
+    # min_new_tokens wins over min_length where both are set, as in transformers
+    both = {**BEAMS, "eos_token_id": eos, "min_new_tokens": 2, "min_length": width + 6}
+    np.testing.assert_array_equal(ours(model, params, EQUAL, **both),
+                                  theirs(reference, EQUAL, **both))
+    np.testing.assert_array_equal(ours(model, params, EQUAL, **both),
+                                  ours(model, params, EQUAL, **{**both, "min_length": 0}))
+    forced = ours(model, params, ONE_TOKEN, **BEAMS, forced_bos_token_id=42)
+    assert (forced[:, 0] == 42).all()
+    np.testing.assert_array_equal(forced, theirs(reference, ONE_TOKEN, **BEAMS,
+                                                 forced_bos_token_id=42))
 
 
 @needs_torch
@@ -165,7 +217,9 @@ def test_option_errors_name_the_fix(tiny):
     cases = [(dict(repetition_penalty=0.0), "repetition_penalty=0.0; it must be > 0"),
              (dict(min_new_tokens=-1), "min_new_tokens=-1; it must be an integer >= 0"),
              (dict(min_new_tokens=9), "min_new_tokens=9 is more than max_new_tokens=8"),
-             (dict(no_repeat_ngram_size=2, num_beams=2), "not yet with beam search"),
+             (dict(stop_sequences=[[5]], num_beams=2), "not yet with beam search"),
+             (dict(min_length=7 + 9), "min_length=16 is more than the 7 tokens before"),
+             (dict(min_length=-1), "min_length=-1; it must be an integer >= 0"),
              (dict(stop_sequences=[[]]), "empty sequence"),
              (dict(stop_strings=["x"]), "stop_strings needs tokenizer"),
              (dict(forced_eos_token_id="x"), "forced_eos_token_id='x'; give a token id")]

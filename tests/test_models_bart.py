@@ -1,6 +1,10 @@
 """BART against PyTorch transformers: logits with padded encoder and decoder inputs (scaled and
-unscaled embeddings), cached decoding, greedy and beam generation, folders written both ways,
-and loading on 1, 2 and 4 model shards."""
+unscaled embeddings), cached decoding, greedy and beam generation (with transformers' processors,
+and BART-CNN's own generation config), folders written both ways, and loading on 1, 2 and 4
+model shards."""
+
+import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +157,71 @@ def test_logits_processors_match_transformers(plain, options):
     plain_got = generate(model, params, ids, mask, max_new_tokens=10, eos_token_id=eos,
                          pad_token_id=1)
     assert not np.array_equal(got, plain_got), "the option changed nothing here: a useless test"
+    same_tokens(got, want, eos, pad=1)
+
+
+def cnn_style_folder(folder, tmp_path, eos):
+    """A copy of ``folder`` with facebook/bart-large-cnn's generation_config.json, but ``eos``
+    (a token the random model does give) for EOS and forced EOS and a shorter min_length."""
+    copy = tmp_path / "cnn_style"
+    shutil.copytree(folder, copy)
+    (copy / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "decoder_start_token_id": 2, "early_stopping": True,
+         "eos_token_id": eos, "forced_bos_token_id": 0, "forced_eos_token_id": eos,
+         "length_penalty": 2.0, "max_length": 142, "min_length": 8, "no_repeat_ngram_size": 3,
+         "num_beams": 4, "pad_token_id": 1}))
+    return copy
+
+
+def test_beam_search_with_bart_cnns_generation_config_matches_transformers(plain, tmp_path):
+    """A summariser run as its authors configured it: four beams, no repeated trigram, length
+    penalty 2, a minimum length and forced BOS/EOS, all read from generation_config.json by
+    redcoast and transformers alike."""
+    ref, folder, _, _, _ = plain
+    ids, mask, _, _ = batch(2)
+    free = _hf_generate(ref, ids, mask, num_beams=1, max_new_tokens=12, eos_token_id=None)
+    eos = int(free[1, 2])
+    folder = cnn_style_folder(folder, tmp_path, eos)
+    model, params = from_pretrained(folder)
+    hf = transformers.BartForConditionalGeneration.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                           max_new_tokens=12).numpy()[:, 1:]
+    got = generate(model, params, ids, mask, max_new_tokens=12)  # no option given
+    assert (want[:, 0] == 0).all() and (want == eos).any()
+    same_tokens(got, want, eos, pad=1)
+    plain_beams = generate(model, params, ids, mask, max_new_tokens=12, no_repeat_ngram_size=0,
+                           min_length=0, length_penalty=1.0)
+    assert not np.array_equal(got, plain_beams), "the file changed nothing here: a useless test"
+
+
+@pytest.mark.slow  # a beam search compiled per option
+@pytest.mark.parametrize("options", [
+    dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.8),
+    dict(forced_bos_token_id=0, forced_eos_token_id=2), dict(min_new_tokens=6),
+    dict(min_length=7)],
+    ids=["no_repeat_bigrams", "repetition_penalty", "forced_bos_eos", "min_new_tokens",
+         "min_length"])
+def test_logits_processors_with_beam_search_match_transformers(plain, options):
+    """Each processor on every beam's log-probabilities and own history; min_length counts the
+    decoder's start token, as in transformers."""
+    ref, _, model, params, _ = plain
+    ids, mask, _, _ = batch(2)
+    free = _hf_generate(ref, ids, mask, num_beams=3, max_new_tokens=10, eos_token_id=None)
+    minimum = any(name.startswith("min_") for name in options)
+    # min length: the best beam's first token as EOS and no length penalty, so every row ends
+    # at once without the option; otherwise a token it gives later
+    eos = int(free[0, 0]) if minimum else int(free[1, 2])
+    kw = dict(num_beams=3, max_new_tokens=10, eos_token_id=eos,
+              length_penalty=0.0 if minimum else 1.0, early_stopping=False)
+    with torch.no_grad():
+        want = ref.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                            do_sample=False, pad_token_id=1, **kw,
+                            **{"forced_bos_token_id": None, "forced_eos_token_id": None,
+                               "no_repeat_ngram_size": 0, **options}).numpy()[:, 1:]
+    got = generate(model, params, ids, mask, pad_token_id=1, **kw, **options)
+    plain_beams = generate(model, params, ids, mask, pad_token_id=1, **kw)
+    assert not np.array_equal(got, plain_beams), "the option changed nothing here: a useless test"
     same_tokens(got, want, eos, pad=1)
 
 

@@ -8,13 +8,18 @@ finished slots with score = sum of log-probabilities / new length ** length_pena
 A prompt stops gaining hypotheses when its best running beam can no longer beat its worst
 finished one (``early_stopping=False``: judged at the current length; ``"never"``: at the
 longest length when length_penalty > 0; ``True``: as soon as ``num_beams`` hypotheses are done).
+
+transformers' logits processors (repetition penalty, no-repeat n-grams, min length, forced
+BOS/EOS) apply as there: to each beam's log-probabilities (after log-softmax, before the beam's
+score is added), looking back on that beam's own history (the context, then its new tokens).
 """
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .generate import NEG, is_eos, last_logits, row_keys, warp
+from . import logits_processors as processors
+from .search_parts import NEG, is_eos, last_logits, row_keys, warp
 
 
 def _expand(tree, n_beams):
@@ -37,8 +42,9 @@ def _reorder(cache, source_beam, n_beams):
 
 
 def beam_search(step_fn, params, logits, cache, key_mask, positions, cache_index, extra, *,
-                config, rng=None):
-    """The best finished hypothesis per prompt: int32 [B, max_new_tokens] (see generate.decode)."""
+                config, rng, context, context_mask):
+    """The best finished hypothesis per prompt: int32 [B, max_new_tokens] (see generate.decode;
+    ``context`` [B, C] and ``context_mask`` (bool) are the tokens before the new ones)."""
     cfg = config
     batch, vocab = logits.shape[0], logits.shape[-1]
     n_beams, n_new = cfg.num_beams, cfg.max_new_tokens
@@ -46,12 +52,16 @@ def beam_search(step_fn, params, logits, cache, key_mask, positions, cache_index
     lp = cfg.length_penalty
     keys = row_keys(rng, batch) if cfg.do_sample else None
     cache, key_mask, positions, extra = _expand((cache, key_mask, positions, extra), n_beams)
-    logits = _expand(logits, n_beams)
+    logits, context, context_mask = _expand((logits, context, context_mask), n_beams)
 
     def advance(s, logits):
         """Choose the i-th new token of every hypothesis; update running and finished beams."""
         i = s["i"]
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        if processors.any_active(cfg):
+            ids, valid = processors.history(context, context_mask,
+                                            s["run_seqs"].reshape(batch * n_beams, n_new), i)
+            logp = processors.process(logp, cfg, i, ids, valid, context.shape[1])
         if cfg.do_sample:
             logp = warp(logp, cfg)
         total = (logp.reshape(batch, n_beams, vocab) + s["run_scores"][..., None])

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from .generate import (SearchConfig, check_token_ids, decode, last_logits, model_defaults,
-                       search_options)
+from .generate import check_token_ids, decode
+from .search_parts import last_logits, search_config
 
 
 def seq2seq_step(model):
@@ -64,28 +64,29 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
              temperature=None, top_k=None, top_p=None, num_beams=None, length_penalty=None,
              early_stopping=None, eos_token_id=None, pad_token_id=None,
              decoder_start_token_id=None, repetition_penalty=None, min_new_tokens=None,
-             no_repeat_ngram_size=None, forced_bos_token_id=None, forced_eos_token_id=None,
-             stop_sequences=(), rng=None):
+             min_length=None, no_repeat_ngram_size=None, forced_bos_token_id=None,
+             forced_eos_token_id=None, stop_sequences=(), rng=None):
     """Decoder tokens for a batch of inputs: int32 [B, max_new_tokens] (the start token not
     included), each row padded with ``pad_token_id`` after its first EOS.
 
     ``eos_token_id`` and ``pad_token_id`` default as in :func:`redcoast.models.generate.generate`
     (the folder's generation_config.json, then the config), ``decoder_start_token_id`` to the
     config's. The search options and transformers' processors are that function's (the
-    decoder's history for the processors starts with the start token): greedy by default,
-    ``do_sample=True`` (with ``rng``), ``num_beams > 1`` for beam search. Works inside a jitted
+    decoder's history for the processors starts with the start token, so ``min_length`` counts
+    it, as in transformers: BART-CNN's ``min_length=56`` is 55 new tokens): greedy by default,
+    ``do_sample=True`` (with ``rng``), ``num_beams > 1`` for beam search, with every processor. Works inside a jitted
     ``pred_fn`` and called directly (compiled once per model, setting and shape).
     """
     config = model.config
-    eos, pad = model_defaults(model, eos_token_id, pad_token_id)
-    options = search_options(model, dict(
+    given = dict(
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
         repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
-        no_repeat_ngram_size=no_repeat_ngram_size, forced_bos_token_id=forced_bos_token_id,
-        forced_eos_token_id=forced_eos_token_id), rng)
-    cfg = SearchConfig.make(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                            stop_sequences=stop_sequences, **options)
+        min_length=min_length, no_repeat_ngram_size=no_repeat_ngram_size,
+        forced_bos_token_id=forced_bos_token_id, forced_eos_token_id=forced_eos_token_id)
+    cfg = search_config(model, given, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                        pad_token_id=pad_token_id, stop_sequences=stop_sequences, rng=rng,
+                        context_width=1)  # the decoder's start token
     start_id = config.decoder_start_token_id if decoder_start_token_id is None else (
         decoder_start_token_id)
     if cfg.do_sample and rng is None:

@@ -1,4 +1,5 @@
-"""transformers' basic logits processors, in fixed shapes, for greedy decoding and sampling.
+"""transformers' basic logits processors, in fixed shapes, for greedy decoding, sampling and
+beam search (there on each beam's log-probabilities and own history, as in transformers).
 
 Each step of the decoding loop sees the tokens so far as one int32 buffer ``ids`` [B, C + N]:
 the ``C`` context tokens (the left-padded prompt of a decoder, the start token of an
@@ -18,6 +19,14 @@ def any_active(cfg):
     return (cfg.repetition_penalty != 1.0 or cfg.no_repeat_ngram_size > 0
             or cfg.min_new_tokens > 0 or cfg.forced_bos_token_id is not None
             or bool(cfg.forced_eos_token_id))
+
+
+def history(context, context_mask, new, i):
+    """``(ids, valid)`` [R, C + N]: each row's context then its new tokens, of which the first
+    ``i`` are written (``new`` [R, N]; ``context_mask`` bool [R, C])."""
+    ids = jnp.concatenate([context, new], axis=1)
+    written = jnp.broadcast_to(jnp.arange(new.shape[1]) < i, new.shape)
+    return ids, jnp.concatenate([context_mask, written], axis=1)
 
 
 def seen_tokens(ids, valid, vocab):
