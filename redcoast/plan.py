@@ -81,6 +81,7 @@ class PlanRecord:
     est_mfu: float | None = None      # model FLOPs over the estimated time and the peak
     estimate_basis: str = ""          # the peak and links the estimate assumed, with sources
     candidates: list = dataclasses.field(default_factory=list)  # every layout searched (dicts)
+    attention: str = ""               # the planned step's attention where not the model's own
 
     def table(self):
         """The record as the CLI prints it."""
@@ -92,7 +93,8 @@ class PlanRecord:
                 ("run", f"seq {self.seq_len}, {self.per_device_batch_size} per data shard, "
                         f"{self.param_dtype} parameters, {self.optimizer}"
                         + (", each layer rematerialised" if self.remat else "")
-                        + (", layers scanned" if self.scan_layers else "")),
+                        + (", layers scanned" if self.scan_layers else "")
+                        + (f", attention {self.attention}" if self.attention else "")),
                 ("layout", self.layout),
                 ("parameters", gib(self.params_bytes)),
                 ("optimizer state", gib(self.optimizer_bytes)),
@@ -180,6 +182,9 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     if scan_layers:
         _check_scannable(model_type)
         overrides["scan_layers"] = True
+    attention = planned_attention(target, param_dtype, model_type)
+    if attention:
+        overrides["attention_implementation"] = attention
     model, abstract = model_from_config(config, param_dtype=jnp.dtype(param_dtype),
                                         config_overrides=overrides or None)
     optimizers = {"adamw": optax.adamw(1e-5), "sgd": optax.sgd(1e-5),
@@ -199,6 +204,8 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
         devices=devices, hosts=hosts, device_memory_bytes=device_memory, seq_len=seq_len,
         per_device_batch_size=per_device_batch_size, param_dtype=str(param_dtype),
         optimizer=optimizer, remat=remat, scan_layers=scan_layers, layout="", params_bytes=0,
+        attention=("blocked by 512 queries, standing in for cuDNN's flash kernel (its memory "
+                   "is O(seq) too)") if attention else "",
         optimizer_bytes=0,
         gradient_bytes=0, temporary_bytes=0, per_device_peak_bytes=0, fits=False,
         flops_per_device=0.0, compile_seconds=0.0, compiler="")
@@ -230,8 +237,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
         record.per_device_peak_bytes = refusal.needed_bytes
         record.temporary_bytes = max(0, refusal.needed_bytes - record.params_bytes
                                      - record.optimizer_bytes)
-        record.layout = (f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
-                         f"{trainer.layout.name}")
+        record.layout = trainer.layout.description  # each choice said once
         record.compiler = (f"{compiler}: refused the step at compile time (\"{refusal.message}\"; "
                            "the peak shown is what it said one device needs)")
         return record
@@ -244,8 +250,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     record.fits = record.per_device_peak_bytes <= device_memory
     # XLA:GPU compiling without a GPU gives no cost analysis: 0 there
     record.flops_per_device = compiled_flops(compiled) or 0.0
-    record.layout = (f"dp={deployer.n_data_shards} x mp={trainer.layout.n_model_shards}, "
-                     f"{trainer.layout.name}")
+    record.layout = trainer.layout.description  # each choice said once
     record.compiler = compiler
     return record
 
@@ -326,6 +331,26 @@ def _no_examples(examples):
 def _config_file(config):
     from .config_file import config_path
     return config_path(config)
+
+
+def planned_attention(target, param_dtype, model_type):
+    """The attention the planned step computes where it differs from the model's own choice:
+    ``"blocked"`` where the real run would take cuDNN's flash kernel, whose memory is O(seq),
+    but the plan's step would not (XLA:CPU standing in for a GPU has no such kernel; on the
+    compile-only GPUs models/attention.py sees no CUDA device at trace time, so it would trace
+    XLA's O(seq^2) attention): an NVIDIA target or the CPU stand-in in bfloat16 or float16, the
+    dtypes for which models/attention.py chooses cuDNN on a GPU. None otherwise:
+    float32 runs XLA's attention on a GPU too, TPUs have no cuDNN, and a family without
+    ``attention_implementation`` in its Config runs its own."""
+    import jax.numpy as jnp
+
+    from .models.pretrained import family_of
+    if target != "cpu" and target not in gpu_targets.names():
+        return None
+    if jnp.dtype(param_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None
+    fields = {f.name for f in dataclasses.fields(family_of(model_type).Config)}
+    return "blocked" if "attention_implementation" in fields else None
 
 
 def _scannable(model_type):

@@ -316,3 +316,30 @@ def test_the_configs_redcoast_plans_read_without_complaint():
     for path in files:
         assert read_model_config(path)["model_type"]
     check_model_config({**TINY, "num_key_value_heads": None}, "config.json")
+
+
+def test_a_gpu_run_in_bfloat16_is_planned_with_a_flash_sized_attention(tiny_config,
+                                                                       monkeypatch):
+    """Where the GPU would run cuDNN's flash kernel (bf16/fp16), the stand-in's step computes
+    attention in blocks (O(seq) memory too); float32, TPUs and families without the option keep
+    the model's own attention."""
+    import redcoast.plan as plan_module
+    from redcoast.plan import planned_attention
+    assert planned_attention("cpu", "bfloat16", "llama") == "blocked"
+    assert planned_attention("h100", "float16", "gpt2") == "blocked"
+    assert planned_attention("cpu", "float32", "llama") is None
+    assert planned_attention("tpu-v4", "bfloat16", "llama") is None
+    assert planned_attention("cpu", "bfloat16", "t5") is None  # no attention_implementation
+    # 2048 tokens: four blocks of 512 queries
+    ask = dict(devices=8, hosts=1, device_memory="1GiB", seq_len=2048, model_shards=4,
+               remat=True, scan_layers=False, param_dtype="bfloat16")
+    blocked = plan(tiny_config, **ask)
+    assert "blocked by 512 queries" in blocked.table()
+    monkeypatch.setattr(plan_module, "planned_attention", lambda *args: None)
+    full = plan(tiny_config, **ask)
+    assert not full.attention and full.params_bytes == blocked.params_bytes
+    # one layer's scores, [2 rows, 2 heads a device, 2048, 2048] (32 MiB in bf16, more with
+    # their probabilities), held whole by XLA's attention and a block at a time by the blocked
+    # one (here 105 MB of temporaries against 38)
+    assert full.temporary_bytes - blocked.temporary_bytes > 32 * 2**20
+    assert full.temporary_bytes > 2 * blocked.temporary_bytes
