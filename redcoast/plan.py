@@ -173,7 +173,6 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
 
     from .deployer import Deployer
     from .memory_check import compiler_refusal
-    from .throughput import compiled_flops
     from .models.pretrained import model_from_config
     from .trainer import Trainer
 
@@ -248,8 +247,9 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
                                        - m.alias_size_in_bytes + m.temp_size_in_bytes)
     record.temporary_bytes = int(m.temp_size_in_bytes)
     record.fits = record.per_device_peak_bytes <= device_memory
-    # XLA:GPU compiling without a GPU gives no cost analysis: 0 there
-    record.flops_per_device = compiled_flops(compiled) or 0.0
+    # counted in the step's trace: XLA's cost analysis counts a scanned layer once, misses
+    # cuBLAS's matmuls and is absent for XLA:GPU compiling without a GPU
+    record.flops_per_device = trainer.step_cost(batch).flops_per_device or 0.0
     record.layout = trainer.layout.description  # each choice said once
     record.compiler = compiler
     return record

@@ -256,6 +256,20 @@ class Trainer:
         return lower_train_step(self.layout, self._state, batch_for(self.mesh),
                                 self.accumulate_grad_batches, self._progress.train_key).compile()
 
+    def step_cost(self, example_batch):
+        """What one update of batches shaped like ``example_batch`` (as for
+        :meth:`compile_train_step`) processes and costs, before any run: its examples, tokens,
+        matrix-product FLOPs per device counted in the step's trace (scans times their length,
+        remat's recomputation included; redcoast/flops.py) and the device's peak, MFU's terms
+        (a ``StepCost``). Fixes the sharding plan, as the first batch would."""
+        k = self.accumulate_grad_batches
+        batch_for = batches_like(_abstract(example_batch), k, self.layout.n_data_shards)
+        self._settle_layout(batch_for)
+        micro = batch_for(self.mesh)
+        batch = micro if k == 1 else jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), micro)
+        return self._meter.cost(self._state, batch, self._progress.train_key)
+
     # ----------------------------------------------------------------------------- training
 
     def get_default_predictor(self, pred_fn, output_fn=None):

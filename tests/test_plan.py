@@ -74,6 +74,9 @@ def test_a_plan_with_layers_scanned_holds_the_same_state(tiny_config):
     assert (scanned.n_params, scanned.layout) == (unrolled.n_params, unrolled.layout)
     for field in ("params_bytes", "optimizer_bytes", "gradient_bytes"):
         assert getattr(scanned, field) == getattr(unrolled, field), field
+    # the FLOPs counted in the step's trace, each scanned layer once per layer (XLA's cost
+    # analysis counted the scan's body once: a fraction of the unrolled step's)
+    assert scanned.flops_per_device == unrolled.flops_per_device > 0
 
 
 def test_a_family_that_runs_its_layers_unrolled_cannot_plan_them_scanned(tiny_config,
