@@ -346,3 +346,13 @@ def test_a_gpu_run_in_bfloat16_is_planned_with_a_flash_sized_attention(tiny_conf
     # one (here 105 MB of temporaries against 38)
     assert full.temporary_bytes - blocked.temporary_bytes > 32 * 2**20
     assert full.temporary_bytes > 2 * blocked.temporary_bytes
+
+
+def test_a_stand_in_fit_close_to_the_device_says_to_ask_the_devices_compiler(tiny_config):
+    ask = dict(devices=8, hosts=1, seq_len=32, model_shards=4, remat=False, scan_layers=False)
+    roomy = plan(tiny_config, device_memory="64MiB", **ask)
+    assert roomy.fits and not roomy.suggestions
+    close = plan(tiny_config, device_memory=int(roomy.per_device_peak_bytes / 0.9), **ask)
+    assert close.fits and close.per_device_peak_bytes == roomy.per_device_peak_bytes
+    assert len(close.suggestions) == 1 and "90% of the device's memory" in close.suggestions[0]
+    assert "--target h100" in close.suggestions[0] and "suggestion" in close.table()
