@@ -98,3 +98,14 @@ def test_a_fallback_names_the_operation_and_the_trainer_warns(monkeypatch, capsy
     trainer.compile_train_step(arch.batch)
     err = capsys.readouterr().err  # said even with verbose=False
     assert f"sharding plan from {FALLBACK}" in err and "'dot_general'" in err
+
+
+def test_an_einsum_that_contracts_nothing_is_a_dot_general_without_contracting_axes_on_this_jax():
+    # the analysis reads such a dot_general as a broadcasting multiply (rotary embeddings
+    # written as an einsum, tests/test_written_by_others.py); if JAX lowers it otherwise, that
+    # reading no longer applies and the plan of those models needs a look
+    closed = jax.make_jaxpr(lambda q, c: jnp.einsum("bslh,...sh->bslh", q, c))(
+        jnp.ones((2, 3, 4, 6)), jnp.ones((3, 6)))
+    (dot,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
+    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+    assert tuple(lc) == tuple(rc) == () and len(lb) == len(rb) == 2

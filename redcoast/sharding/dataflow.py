@@ -12,7 +12,8 @@ The paper's two rules then fall out of the matmuls: a parameter multiplied with 
 activation is column-parallel (its output axis is split: the heads of a 3-D kernel, the experts of
 a stacked MoE kernel, the vocabulary of an LM head); a parameter multiplied with an activation split
 on the contracting axis is row-parallel (that axis is split, the output is summed over the shards:
-the all-reduce). Splits flow through elementwise ops, reshapes that keep the split axis whole,
+the all-reduce). Splits flow through elementwise ops (an einsum that contracts nothing is one:
+rotary tables multiplied in by ``einsum``), reshapes that keep the split axis whole,
 transposes, per-head einsums, and slices, concatenations, stacks, gathers and scatters along other
 axes (GPT-J's rotary stacks the even and odd halves of head_dim; block-sparse attention gathers
 key blocks per head by vmap or ``take_along_axis``, the heads a batching axis of the gather);
@@ -338,10 +339,15 @@ class _Analysis:
                 s = Rep(s.vary - bcast, None if s.src else None)
             elif bcast and isinstance(s, Par):
                 s = Par(s.leaf, tuple(None if i in bcast else a for i, a in enumerate(s.axes)))
-            full.append((v, s))
-        splits = [s for _, s in full if isinstance(s, Split)]
-        pars = [s for _, s in full if isinstance(s, Par)]
-        reps = [s for _, s in full if isinstance(s, Rep)]
+            full.append(s)
+        return self.combine(full, nd)
+
+    def combine(self, full, nd):
+        """The output of operands laid over its ``nd`` axes (broadcast axes already dropped
+        from their ``vary`` and ``axes``), combined element by element."""
+        splits = [s for s in full if isinstance(s, Split)]
+        pars = [s for s in full if isinstance(s, Par)]
+        reps = [s for s in full if isinstance(s, Rep)]
         if not splits:
             if pars and all(not r.vary for r in reps):
                 return pars[0] if len(pars) == 1 else CONST
@@ -726,6 +732,8 @@ class _Analysis:
     # ---- matmuls -------------------------------------------------------------------------------
     def op_dot_general(self, eqn, ins):
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if not lc and not rc:
+            return [self.broadcast_product(eqn, ins)]
         lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
         shapes = [_shape(eqn.invars[0]), _shape(eqn.invars[1])]
         out_nd = len(_shape(eqn.outvars[0]))
@@ -776,6 +784,30 @@ class _Analysis:
         self.conflict(origins, "an activation split on a non-batch axis meets a replicated one in "
                                "a matmul (e.g. values split on head_dim)")
         return [Rep(_all(out_nd))]
+
+    def broadcast_product(self, eqn, ins):
+        """A ``dot_general`` that contracts nothing (an einsum that only multiplies: rotary
+        embeddings written ``einsum("bslh,...sh->bslh", q, cos)``) is a broadcasting multiply:
+        each output element is one element of each operand, so splits pass through as they do
+        through ``q * cos``. Each operand is laid over the output's axes (where
+        :func:`output_axes` puts its own, the others broadcast) and combined elementwise."""
+        nd = len(_shape(eqn.outvars[0]))
+        positions = output_axes(eqn)
+        full = []
+        for k, s in enumerate(ins):
+            to = {a: positions[(k, a)] for a in range(len(_shape(eqn.invars[k])))}
+            if isinstance(s, Split):
+                s = Split(to[s.axis], s.origins)
+            elif isinstance(s, Par):
+                axes = [None] * nd
+                for a, pa in enumerate(s.axes):
+                    axes[to[a]] = pa
+                s = Par(s.leaf, tuple(axes))
+            else:
+                src = s.src and (s.src[0], {to[a]: pa for a, pa in s.src[1].items()}, s.src[2])
+                s = Rep(frozenset(to[a] for a in s.vary), src, s.tainted)
+            full.append(s)
+        return self.combine(full, nd)
 
     def param_matmul(self, eqn, w, x, wk, shapes, contract, batch, free, out_axis, role, out_nd):
         xk = 1 - wk

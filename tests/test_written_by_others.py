@@ -1,0 +1,92 @@
+"""Patterns from public JAX code plan at Megatron's bytes and share (issue 49).
+
+Each model (tests/written_by_others.py) trains on 2 data x 4 model shards through the Trainer:
+its compiled step moves at most 1.05x Megatron-LM's bytes between model shards per layer, device
+0 holds at most 1.10x Megatron's share of the parameters (every matrix split over the model
+shards, vectors whole), and its loss and gradients equal one device's (test_layout_check's
+tolerance).
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from architectures import B, H, T, _tokens
+from redcoast import Deployer, Trainer
+from redcoast.comms import megatron_ideal, per_layer
+from written_by_others import PATTERNS
+
+N = 4
+
+
+def collate(rows):
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def trainer_for(make, n_layers):
+    _, params, loss = make(n_layers)
+    return Trainer(Deployer(n_model_shards=N, jax_seed=0, verbose=False), collate, None,
+                   lambda rng, state, params, batch, is_training: loss(params, batch),
+                   params, optax.sgd(0.1), fsdp=False)
+
+
+def device0_share(trainer):
+    """Parameter bytes on device 0 over Megatron's: matrices split over the model shards
+    (the Q/K/V, output and MLP kernels, the embedding and the LM head), vectors (norms) whole."""
+    device = jax.devices()[0]
+    held = ideal = 0
+    for x in jax.tree_util.tree_leaves(trainer.params):
+        held += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+        ideal += x.nbytes / N if x.ndim >= 2 else x.nbytes
+    return held / ideal
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_a_pattern_from_public_code_plans_at_megatrons_bytes_and_trains_as_one_device(name):
+    make, batch = PATTERNS[name], _tokens()
+    trainer = trainer_for(make, 2)
+    layer = per_layer(lambda depth: trainer_for(make, depth).compile_train_step(batch),
+                      trainer.mesh)
+    ideal = megatron_ideal(B // (jax.device_count() // N), T, H, N)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(B)]
+    report = trainer.check_layout(rows, B // (jax.device_count() // N))
+    ratio, share = layer["mp"]["wire_bytes"] / ideal["wire_bytes"], device0_share(trainer)
+    print(f"{name}: {ratio:.3f}x Megatron's bytes per layer, {share:.3f}x its share")
+    assert ratio <= 1.05 and share <= 1.10, (ratio, share, trainer.plan.table())
+    assert report.ok and report.compared == "gradients", str(report)
+    assert report.errors and report.worst[1] <= 1e-4
+
+
+# ---- the analysis alone (no compile) -------------------------------------------------------------
+def _placements(loss, params, x):
+    from redcoast.sharding.dataflow import dataflow_placements
+    placed = dataflow_placements(loss, params, x, n_model_shards=N)
+    return {"/".join(pl.path): pl.spec for pl in placed}
+
+
+def test_an_einsum_that_contracts_nothing_splits_as_the_multiply_it_is():
+    # Q's heads split; a rotary table and a per-head scale (a parameter) multiplied in by einsum
+    # with batch axes and broadcasting, or by '*': the same plan, the scale split with the heads
+    from jax.sharding import PartitionSpec as P
+    import jax.numpy as jnp
+    from architectures import HD, NH
+    rng = np.random.default_rng(0)
+    params = {"wq": rng.standard_normal((H, H)).astype(np.float32),
+              "scale": rng.standard_normal((NH, HD)).astype(np.float32),
+              "wo": rng.standard_normal((H, H)).astype(np.float32)}
+    cos = np.cos(np.arange(T * HD).reshape(T, HD)).astype(np.float32)
+
+    def loss(einsum):
+        def f(p, x):
+            q = (x @ p["wq"]).reshape(x.shape[:2] + (NH, HD))
+            if einsum:
+                q = jnp.einsum("bslh,lh->bslh", jnp.einsum("bslh,...sh->bslh", q, cos), p["scale"])
+            else:
+                q = q * cos[None, :, None, :] * p["scale"]
+            return jnp.sum(q.reshape(x.shape) @ p["wo"])
+        return f
+
+    x = np.ones((B, T, H), np.float32)
+    as_einsum, as_product = _placements(loss(True), params, x), _placements(loss(False), params, x)
+    assert as_einsum == as_product == {"wq": P(None, "mp"), "scale": P("mp"), "wo": P("mp")}

@@ -1,0 +1,74 @@
+"""Small transformer LMs in patterns seen in public JAX code that the data-flow plan must read
+(issue 49). Each builder ``make(n_layers)`` returns ``(model, params, loss(params, batch))`` for
+the Trainer; sizes are tests/architectures.py's (hidden 32, 8 heads of 4, ffn 64, vocab 40,
+sequence 8).
+
+* :func:`einsum_rotary`: Flax linen, rotary embeddings applied as an elementwise einsum
+  (``einsum("bslh,...sh->bslh", q, cos)``: no contracted axis), rotate-half by split/concatenate.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from architectures import F, H, HD, NH, T, V, attend, cross_entropy
+
+
+def _rotate_half(x):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def _apply_rotary(x, cos, sin):
+    # written as in public code: an einsum that only broadcasts (no contracted axis)
+    return (jnp.einsum("bslh,...sh->bslh", x, cos)
+            + jnp.einsum("bslh,...sh->bslh", _rotate_half(x), sin))
+
+
+def _rotary_tables(seq, dim):
+    inv = 1.0 / (10000 ** (jnp.arange(0, dim, 2) / dim))
+    ang = jnp.arange(seq)[:, None] * inv[None]
+    ang = jnp.concatenate([ang, ang], -1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def _lm_loss(model_apply):
+    def loss(params, batch):
+        return cross_entropy(model_apply(params, batch["inputs"]), batch["targets"])
+    return loss
+
+
+def einsum_rotary(n_layers=2, seed=0):
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, cos, sin):
+            b, s, _ = x.shape
+            y = nn.RMSNorm()(x)
+            q = nn.Dense(H, use_bias=False, name="q_proj")(y).reshape(b, s, NH, HD)
+            k = nn.Dense(H, use_bias=False, name="k_proj")(y).reshape(b, s, NH, HD)
+            v = nn.Dense(H, use_bias=False, name="v_proj")(y).reshape(b, s, NH, HD)
+            q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+            x = x + nn.Dense(H, use_bias=False, name="o_proj")(attend(q, k, v).reshape(b, s, H))
+            y = nn.RMSNorm()(x)
+            return x + nn.Dense(H, use_bias=False, name="down")(
+                nn.silu(nn.Dense(F, use_bias=False, name="up")(y)))
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(V, H)(ids)
+            cos, sin = _rotary_tables(ids.shape[1], HD)
+            for _ in range(n_layers):
+                x = Block()(x, cos, sin)
+            return nn.Dense(V, use_bias=False, name="lm_head")(nn.RMSNorm()(x))
+
+    model = LM()
+    ids = np.zeros((2, T), np.int32)
+    params = jax.tree_util.tree_map(np.asarray, model.init(jax.random.key(seed), ids)["params"])
+    apply = lambda p, ids: model.apply({"params": p}, ids)  # noqa: E731
+    return apply, params, _lm_loss(apply)
+
+
+PATTERNS = {f.__name__: f for f in (einsum_rotary,)}
