@@ -109,3 +109,12 @@ def test_an_einsum_that_contracts_nothing_is_a_dot_general_without_contracting_a
     (dot,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
     assert tuple(lc) == tuple(rc) == () and len(lb) == len(rb) == 2
+
+
+def test_a_split_into_one_piece_is_a_split_of_one_size_on_this_jax():
+    # the analysis passes a split of one output through whole ((q,) = jnp.split(x, 1, axis));
+    # it reads the primitive's 'axis' and its outputs (tests/test_written_by_others.py)
+    closed = jax.make_jaxpr(lambda x: jnp.split(x, 1, axis=2))(jnp.ones((2, 3, 8)))
+    (split,) = closed.jaxpr.eqns
+    assert split.primitive.name == "split" and split.params["axis"] == 2
+    assert len(split.outvars) == 1 and tuple(split.params["sizes"]) == (8,)

@@ -90,3 +90,18 @@ def test_an_einsum_that_contracts_nothing_splits_as_the_multiply_it_is():
     x = np.ones((B, T, H), np.float32)
     as_einsum, as_product = _placements(loss(True), params, x), _placements(loss(False), params, x)
     assert as_einsum == as_product == {"wq": P(None, "mp"), "scale": P("mp"), "wo": P("mp")}
+
+
+def test_a_split_into_one_piece_keeps_the_column_split_before_it():
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from architectures import F
+    rng = np.random.default_rng(0)
+    params = {"up": rng.standard_normal((H, F)).astype(np.float32),
+              "down": rng.standard_normal((F, H)).astype(np.float32)}
+
+    def loss(p, x):
+        (y,) = jnp.split(x @ p["up"], 1, axis=-1)
+        return jnp.sum(jax.nn.gelu(y) @ p["down"])
+
+    assert _placements(loss, params, np.ones((B, T, H), np.float32)) == {"up": P(None, "mp"), "down": P("mp")}

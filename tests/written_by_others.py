@@ -5,6 +5,8 @@ sequence 8).
 
 * :func:`einsum_rotary`: Flax linen, rotary embeddings applied as an elementwise einsum
   (``einsum("bslh,...sh->bslh", q, cos)``: no contracted axis), rotate-half by split/concatenate.
+* :func:`one_piece_split`: Flax NNX, a generic head splitter that calls ``jnp.split(x, parts)``
+  with one part for Q and two for a fused K/V projection.
 """
 
 import jax
@@ -71,4 +73,53 @@ def einsum_rotary(n_layers=2, seed=0):
     return apply, params, _lm_loss(apply)
 
 
-PATTERNS = {f.__name__: f for f in (einsum_rotary,)}
+def _split_heads(x, parts):
+    """A generic splitter as public code writes it: the fused projection cut into ``parts``."""
+    return [p.reshape(p.shape[:2] + (NH, HD)) for p in jnp.split(x, parts, axis=2)]
+
+
+def one_piece_split(n_layers=2, seed=0):
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm1, self.norm2 = nnx.RMSNorm(H, rngs=rngs), nnx.RMSNorm(H, rngs=rngs)
+            self.q = nnx.Linear(H, H, use_bias=False, rngs=rngs)
+            self.kv = nnx.Linear(H, 2 * H, use_bias=False, rngs=rngs)
+            self.o = nnx.Linear(H, H, use_bias=False, rngs=rngs)
+            self.up = nnx.Linear(H, F, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(F, H, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            y = self.norm1(x)
+            (q,) = _split_heads(self.q(y), 1)
+            k, v = _split_heads(self.kv(y), 2)
+            o = attend(q, k, v)
+            x = x + self.o(o.reshape(o.shape[:2] + (H,)))
+            return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(V, H, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(n_layers)])
+            self.norm = nnx.RMSNorm(H, rngs=rngs)
+            self.head = nnx.Linear(H, V, use_bias=False, rngs=rngs)
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.norm(x))
+
+    graphdef, state = nnx.split(LM(nnx.Rngs(seed)))
+    params = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(state))
+
+    def apply(p, ids):
+        st = jax.tree_util.tree_map(lambda x: x, state)
+        nnx.replace_by_pure_dict(st, p)
+        return nnx.merge(graphdef, st)(ids)
+
+    return apply, params, _lm_loss(apply)
+
+
+PATTERNS = {f.__name__: f for f in (einsum_rotary, one_piece_split)}

@@ -497,7 +497,8 @@ class _Analysis:
     def op_split(self, eqn, ins):
         shp = _shape(eqn.invars[0])
         axis = eqn.params["axis"] % len(shp)
-        full = [i != axis for i in range(len(shp))]
+        # one piece is the whole operand (``(q,) = jnp.split(x, 1, axis)``): an identity
+        full = [i != axis or len(eqn.outvars) == 1 for i in range(len(shp))]
         return [self._slice_like(eqn, ins[0], full) for _ in eqn.outvars]
 
     def op_rev(self, eqn, ins):
