@@ -105,3 +105,48 @@ def test_a_split_into_one_piece_keeps_the_column_split_before_it():
         return jnp.sum(jax.nn.gelu(y) @ p["down"])
 
     assert _placements(loss, params, np.ones((B, T, H), np.float32)) == {"up": P(None, "mp"), "down": P("mp")}
+
+
+def _recombined_mlp(how):
+    import jax.numpy as jnp
+    from architectures import F
+
+    def loss(p, x):
+        y = x @ p["up"]
+        if how == "split":
+            a, b = jnp.split(y, 2, axis=-1)
+            y = jnp.concatenate([a, b], axis=-1)
+        elif how == "slices":
+            y = jnp.concatenate([y[..., :16], y[..., 16:40], y[..., 40:]], axis=-1)
+        elif how == "swapped":  # not an identity: the halves change places
+            a, b = jnp.split(y, 2, axis=-1)
+            y = jnp.concatenate([b, a], axis=-1)
+        return jnp.mean(jax.nn.gelu(y) @ p["down"])
+
+    rng = np.random.default_rng(0)
+    params = {"up": rng.standard_normal((H, F)).astype(np.float32),
+              "down": rng.standard_normal((F, H)).astype(np.float32)}
+    return loss, params
+
+
+def test_pieces_joined_back_unchanged_are_transparent_to_the_plan_and_the_step():
+    # split (or sliced) and concatenated back in order: the plan and the compiled step's bytes
+    # between model shards are those of the MLP without it (before: the up projection
+    # replicated, 2.0x the bytes; planned split but run as written, 3.7x); halves swapped are
+    # a real cut and keep the old plan
+    from jax.sharding import PartitionSpec as P
+    from redcoast.comms import collective_report
+    x = np.random.default_rng(1).standard_normal((B, T, H)).astype(np.float32)
+    plans, wire = {}, {}
+    for how in ("none", "split", "slices", "swapped"):
+        loss, params = _recombined_mlp(how)
+        plans[how] = _placements(loss, params, x)
+        if how != "swapped":
+            trainer = Trainer(Deployer(n_model_shards=N, verbose=False), collate, None,
+                              lambda rng, state, p, batch, is_training: loss(p, batch["x"]),
+                              params, optax.sgd(0.1), fsdp=False)
+            wire[how] = collective_report(trainer.compile_train_step({"x": x}),
+                                          trainer.mesh).wire_bytes(axis="mp")
+    assert plans["none"] == plans["split"] == plans["slices"] == {"up": P(None, "mp"), "down": P("mp")}
+    assert plans["swapped"]["up"] == P()
+    assert wire["split"] == wire["slices"] == wire["none"]

@@ -74,3 +74,55 @@ def bind(eqn, vals, params=None):
     with eqn.ctx.manager:
         outs = eqn.primitive.bind(*vals, **bind_params)
     return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _piece(eqn, k):
+    """``(source variable, axis, start, stop)`` when output ``k`` of ``eqn`` is a contiguous
+    piece of one variable along one axis, whole along the others (``split``, or a ``slice`` of
+    stride 1); else None."""
+    name, src = eqn.primitive.name, eqn.invars[0]
+    if not isinstance(src, jcore.Var):
+        return None
+    shape = src.aval.shape
+    if name == "split":
+        axis = eqn.params["axis"] % len(shape)
+        sizes = eqn.params["sizes"]
+        start = sum(sizes[:k])
+        return src, axis, start, start + sizes[k]
+    if name == "slice":
+        lo, hi, st = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+        cut = [i for i in range(len(shape)) if (lo[i], hi[i]) != (0, shape[i])]
+        if len(cut) > 1 or (st is not None and any(s != 1 for s in st)):
+            return None
+        axis = cut[0] if cut else 0
+        return src, axis, lo[axis], hi[axis]
+    return None
+
+
+def recombined(jaxpr):
+    """Pieces joined back unchanged: ``({concatenate index: the variable it equals}, {indices
+    of the split/slice equations whose every output is read only by such a concatenate})``.
+    A ``concatenate`` whose operands are, in order, contiguous pieces of one variable along its
+    own axis covering it whole (``a, b = jnp.split(x, 2, -1); jnp.concatenate([a, b], -1)``)
+    is that variable."""
+    producer = {v: (i, k) for i, e in enumerate(jaxpr.eqns) for k, v in enumerate(e.outvars)}
+    joins = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "concatenate":
+            continue
+        d = eqn.params["dimension"]
+        pieces = [_piece(jaxpr.eqns[producer[v][0]], producer[v][1])
+                  if isinstance(v, jcore.Var) and v in producer else None for v in eqn.invars]
+        if any(p is None for p in pieces) or len({p[0] for p in pieces}) != 1:
+            continue
+        src = pieces[0][0]
+        bounds = [(p[2], p[3]) for p in pieces if p[1] == d]
+        ends = [0] + [hi for _, hi in bounds]
+        if (len(bounds) == len(pieces) and all(lo == end for (lo, _), end in zip(bounds, ends))
+                and ends[-1] == src.aval.shape[d]):
+            joins[i] = src
+    reads = readers(jaxpr)
+    index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+    passed = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ("split", "slice")
+              and all(read_once(v, reads) and index[id(reads[v][0])] in joins for v in e.outvars)}
+    return joins, passed
