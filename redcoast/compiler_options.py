@@ -8,7 +8,9 @@ every layer's activations are kept for the backward pass, as without remat. Meas
 without remat (24.8); with the pass off, 6.4 GiB (one layer's scores), and Llama-3-8B FSDP over
 8 simulated devices at 4096 tokens with remat 54.8 GiB of temporaries instead of 209. With the
 pass off the step computes the same numbers (bit for bit, measured) and recomputes what remat
-asks for. XLA:GPU and the TPU compiler honour remat as they are (Llama-3-8B on 8 H100s, the same
+asks for. jax 0.12's XLA:CPU keeps the barriers by itself (the same step holds one layer's
+scores with or without the option; tests/test_compiler_options.py runs on both lines). XLA:GPU
+and the TPU compiler honour remat as they are (Llama-3-8B on 8 H100s, the same
 step: 128.5 GiB without remat, 61.0 GiB with it), so they are given nothing.
 """
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from redcoast import compiler_options
 
-T, HEADS, HEAD_DIM, LAYERS = 256, 4, 16, 4
+T, HEADS, HEAD_DIM, LAYERS = 256, 4, 16, 8
 WIDTH = HEADS * HEAD_DIM
 
 
@@ -32,10 +32,13 @@ def test_xla_cpu_keeps_one_layer_of_rematerialised_scores():
     scores = HEADS * T * T * 4  # one layer's attention probabilities, float32
     as_default = _compiled({}).memory_analysis().temp_size_in_bytes
     as_asked = _compiled(compiler_options.for_platform("cpu")).memory_analysis().temp_size_in_bytes
-    # by default XLA:CPU merges the recomputation into the forward pass: every layer's scores
-    assert as_default > LAYERS * scores
-    # as asked: what one layer's backward pass holds at a time (about four score arrays)
-    assert as_asked < as_default / 2
+    # as asked, on every jax: one layer's backward pass at a time (4.7 score arrays measured on
+    # jax 0.10.2 and 0.12.0.1), whatever the depth
+    assert as_asked < 6 * scores
+    # by default jax 0.10's XLA:CPU merges the recomputation into the forward pass and holds
+    # every layer's scores (20.5 arrays for 8 layers); jax 0.12's keeps the barriers itself
+    # (4.7): the options must never do worse than the default
+    assert as_default > LAYERS * scores or as_default >= as_asked - scores // 8
 
 
 def test_remat_kept_computes_the_same_numbers():

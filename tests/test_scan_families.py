@@ -201,10 +201,10 @@ def test_the_plan_splits_each_stacked_layer_as_each_unrolled_one(family):
 def _reference(family):
     """``(transformers model, its class, outputs(redcoast model, params) -> arrays, the same
     from the reference)`` of a tiny random ``family`` model."""
-    import transformers
+    torch = pytest.importorskip("torch")  # the reference: not installed in CI's Python 3.12 step
+    transformers = pytest.importorskip("transformers")
 
     from hf_reference import left_padded, randomize, torch_logits
-    torch = pytest.importorskip("torch")
     ids, mask = left_padded(V)
     t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
     lm = dict(vocab_size=V, n_positions=32, n_embd=32, n_layer=3, n_head=4, bos_token_id=0,
@@ -267,7 +267,7 @@ def test_a_folder_loads_into_a_scanned_model_and_saves_back_as_it_was(family, tm
     layer's tensor bitwise, the outputs are transformers', and the folder it writes is the
     unrolled model's (one tensor per layer, the same config.json) which transformers loads to
     the reference's exact tensors."""
-    import torch
+    torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
 
     from redcoast.models import hf
