@@ -118,18 +118,3 @@ def test_a_split_into_one_piece_is_a_split_of_one_size_on_this_jax():
     (split,) = closed.jaxpr.eqns
     assert split.primitive.name == "split" and split.params["axis"] == 2
     assert len(split.outvars) == 1 and tuple(split.params["sizes"]) == (8,)
-
-
-def test_pieces_joined_back_are_found_by_the_parameters_jax_gives_them():
-    # jaxpr_tools.recombined reads split's 'axis'/'sizes', slice's 'start_indices' /
-    # 'limit_indices' / 'strides' and concatenate's 'dimension'; renamed, nothing would be found
-    from redcoast.sharding.jaxpr_tools import recombined
-
-    def f(x):
-        a, b = jnp.split(x, 2, axis=1)
-        return jnp.concatenate([a, b], axis=1), jnp.concatenate([x[:, :3], x[:, 3:]], axis=1)
-
-    closed = jax.make_jaxpr(f)(jnp.ones((2, 8)))
-    joins, pieces = recombined(closed.jaxpr)
-    assert sorted(joins.values(), key=str) == [closed.jaxpr.invars[0]] * 2
-    assert {closed.jaxpr.eqns[i].primitive.name for i in pieces} == {"split", "slice"}

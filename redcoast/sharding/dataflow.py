@@ -13,8 +13,7 @@ activation is column-parallel (its output axis is split: the heads of a 3-D kern
 a stacked MoE kernel, the vocabulary of an LM head); a parameter multiplied with an activation split
 on the contracting axis is row-parallel (that axis is split, the output is summed over the shards:
 the all-reduce). Splits flow through elementwise ops (an einsum that contracts nothing is one:
-rotary tables multiplied in by ``einsum``), splits into one piece and pieces joined back
-unchanged (identities), reshapes that keep the split axis whole,
+rotary tables multiplied in by ``einsum``), reshapes that keep the split axis whole,
 transposes, per-head einsums, and slices, concatenations, stacks, gathers and scatters along other
 axes (GPT-J's rotary stacks the even and odd halves of head_dim; block-sparse attention gathers
 key blocks per head by vmap or ``take_along_axis``, the heads a batching axis of the gather);
@@ -40,7 +39,7 @@ from . import kv_repeat
 from .auto import model_width
 from .context import laid_out_for
 from .grouped_axes import grouped
-from .jaxpr_tools import output_axes, recombined, scan_operand_groups
+from .jaxpr_tools import output_axes, scan_operand_groups
 from .paths import leaves_in_written_order, leaves_with_paths
 from .rules import Placement
 
@@ -164,7 +163,6 @@ class _Analysis:
         self.wish = {}         # leaf -> parameter axis another split asks it to follow
         self.candidates = {}   # leaf -> [parameter axes] tried as column splits
         self.undivisible = {}  # leaf -> reason no candidate divided
-        self.recombined = {}   # id(jaxpr) -> its pieces joined back unchanged (jaxpr_tools)
 
     # ---- one walk over the program -------------------------------------------------------
     def run(self):
@@ -267,19 +265,10 @@ class _Analysis:
                 return CONST
             return env.get(v, CONST)
 
-        if id(jaxpr) not in self.recombined:
-            self.recombined[id(jaxpr)] = recombined(jaxpr)
-        joins, pieces = self.recombined[id(jaxpr)]
-        for i, eqn in enumerate(jaxpr.eqns):
+        for eqn in jaxpr.eqns:
             states = [read(v) for v in eqn.invars]
-            if i in joins:  # pieces joined back unchanged: the value they were cut from
-                outs = [read(joins[i])]
-            elif i in pieces:  # read only by such a join: nothing is cut
-                outs = [states[0]] * len(eqn.outvars)
-            else:
-                outs = None
             try:
-                outs = outs or self.eval_eqn(eqn, states)
+                outs = self.eval_eqn(eqn, states)
             except DataflowError:
                 raise
             except Exception as e:  # noqa: BLE001 - named, then the caller keeps the shape rules

@@ -13,8 +13,6 @@ summation order) bring that down to Megatron's count:
   MoE experts) is pinned whole along that axis, so that XLA does not split what computed it;
 * grouped-query K/V that the plan replicates are projected per query head (kv_repeat.py), so
   that they join Q's fused matmul;
-* pieces split or sliced off a value and joined back unchanged are that value (the plan reads
-  them so; XLA would cut and join a split axis with collectives);
 * a lookup into a table the plan splits along its hidden axis (its vocabulary does not divide
   the shards) is gathered whole right away, so that the split does not spread into the residual
   stream the looked-up rows join.
@@ -31,7 +29,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import kv_repeat, weight_origins
-from .jaxpr_tools import bind, output_axes, read_once, readers, recombined
+from .jaxpr_tools import bind, output_axes, read_once, readers
 from .paths import leaves_with_paths
 from .rewrite_plan import RewritePlan, WeightSplit
 
@@ -300,10 +298,6 @@ def _eval_fused(jaxpr, consts, args, plan, arg_origins):
     lookups, table_reads = _hidden_split_tables(jaxpr, plan, origins)
     # the matmul (and transpose) a chain replaces: computed inside the chain, never on their own
     done = {j for _, i, t, _ in chains.values() for j in (i, t) if j is not None}
-    # pieces joined back unchanged are the value they were cut from: XLA would cut and join a
-    # split axis with collectives (measured: 3.7x the MLP's bytes), so neither is run
-    joins, pieces = recombined(jaxpr)
-    done |= pieces
 
     def read(v):
         if isinstance(v, jcore.Literal):
@@ -316,10 +310,6 @@ def _eval_fused(jaxpr, consts, args, plan, arg_origins):
         if i in done:
             return
         eqn = jaxpr.eqns[i]
-        if i in joins:
-            done.add(i)
-            env[eqn.outvars[0]] = read(joins[i])
-            return
         if i in groups:
             members, side, how = groups[i]
             if how == "stack":
