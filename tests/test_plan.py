@@ -356,3 +356,13 @@ def test_a_stand_in_fit_close_to_the_device_says_to_ask_the_devices_compiler(tin
     assert close.fits and close.per_device_peak_bytes == roomy.per_device_peak_bytes
     assert len(close.suggestions) == 1 and "90% of the device's memory" in close.suggestions[0]
     assert "--target h100" in close.suggestions[0] and "suggestion" in close.table()
+
+
+def test_remat_over_more_model_shards_than_kv_heads(tiny_config):
+    """8 model shards over TINY's 4 K/V heads split them over groups of the shards ('mp:4'); the
+    gathers inside remat (sharding/remat_weights.py) constrained to that spec on the plain mesh,
+    which names no 'mp:4': every such layout failed to build (a crash for a Trainer too)."""
+    record = plan(tiny_config, devices=8, hosts=1, device_memory="64MiB", seq_len=32,
+                  model_shards=8, remat=True, scan_layers=False)
+    assert record.fits and record.remat and record.compile_seconds > 0
+    assert [c["status"] for c in record.candidates] == ["FITS"]

@@ -26,9 +26,9 @@ other parameter, and every other use, is left as traced.
 
 import jax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from . import weight_origins
+from . import grouped_axes, weight_origins
 from .jaxpr_tools import bind, scan_operand_groups
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
@@ -122,7 +122,9 @@ def _constrained_body(closed, specs, mesh):
 
 
 def _pinned(x, mesh, spec):
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+    # a computed spec may split over groups of the model shards ('mp:4': K/V heads kept by the
+    # shards of their query heads), which only grouped_axes' factored mesh names
+    return jax.lax.with_sharding_constraint(x, grouped_axes.named_sharding(mesh, P(*spec)))
 
 
 def _run_gathering(jaxpr, consts, args, used, mesh):
