@@ -180,41 +180,7 @@ def test_the_core_does_not_import_the_record_or_draccus():
 
 # ------------------------------------------------------------------ the fine-tune's options
 
-# (YAML, the one field named): the fine-tune's options at values no run can mean
-REFUSED = [
-    ("data: {eval_fraction: 0}", "data.eval_fraction"),
-    ("data: {eval_fraction: 1.0}", "data.eval_fraction"),  # nothing left to train on
-    ("data: {eval_fraction: 0.1, eval: e.jsonl}", "data.eval_fraction"),  # two eval sets
-    ("data: {split_seed: -1}", "data.split_seed"),
-    ("lora: {save: peft}\nexport: out", "lora.save"),  # no adapters: rank 0
-    ("lora: {rank: 8, save: both}", "lora.save"),  # nowhere to write them
-    ("model: {task: seq2seq}\ndata: {format: messages}", "data.format"),
-    ("model: {task: seq2seq}\ndata: {packing: true}", "data.packing"),
-]
-ALLOWED = ["data: {eval_fraction: 0.1, split_seed: 3}\nfit: {eval_every_n_steps: 5}",
-           "data: {format: messages, packing: true}\nmodel: {remat: true}",
-           "lora: {rank: 8, save: peft}\nexport: out", "lora: {rank: 0, save: merged}"]
-
-
-@pytest.mark.parametrize("text, field", REFUSED, ids=[t for t, _ in REFUSED])
-def test_the_fine_tunes_options_refuse_what_no_run_can_mean(text, field):
-    from redcoast.run_checks import problems
-
-    cfg = RunConfig.from_yaml(text)
-    value = cfg
-    for name in field.split("."):
-        value = getattr(value, name)
-    found = problems(cfg)
-    assert len(found) == 1, found
-    assert found[0].startswith(f"{field}: {value!r} "), found
-    assert f". Fix: set {field} to " in found[0]
-
-
-@pytest.mark.parametrize("text", ALLOWED)
-def test_the_fine_tunes_options_pass_where_meant(text):
-    from redcoast.run_checks import problems
-
-    assert problems(RunConfig.from_yaml(text)) == []
+# (values no run can mean: tests/test_run_record.py's lists, the fine-tune's options among them)
 
 
 def test_a_choice_is_checked_with_a_close_match_in_the_file_and_on_the_command_line():

@@ -54,12 +54,24 @@ REFUSED = [
     ("deployer: {n_model_shards: 0}", "deployer.n_model_shards"),
     ("deployer: {n_local_devices: 0}", "deployer.n_local_devices"),
     ("simulate_cpu_devices: 0", "simulate_cpu_devices"),
+    # the fine-tune's options
+    ("data: {eval_fraction: 0}", "data.eval_fraction"),
+    ("data: {eval_fraction: 1.0}", "data.eval_fraction"),  # nothing left to train on
+    ("data: {eval_fraction: 0.1, eval: e.jsonl}", "data.eval_fraction"),  # two eval sets
+    ("data: {split_seed: -1}", "data.split_seed"),
+    ("lora: {save: peft}\nexport: out", "lora.save"),  # no adapters: rank 0
+    ("lora: {rank: 8, save: both}", "lora.save"),  # nowhere to write them
+    ("model: {task: seq2seq}\ndata: {format: messages}", "data.format"),
+    ("model: {task: seq2seq}\ndata: {packing: true}", "data.packing"),
 ]
 
 # values at the edge of what is meant: allowed
 ALLOWED = ["optimizer: {learning_rate: 0.0, warmup_rate: 1.0, weight_decay: 0.0}",
            "fit: {n_epochs: null, max_steps: 10}", "lora: {rank: 0, alpha: 0}",
-           "deployer: {n_model_shards: auto}", "fit: {eval_every_n_steps: 5}\ndata: {eval: e}"]
+           "deployer: {n_model_shards: auto}", "fit: {eval_every_n_steps: 5}\ndata: {eval: e}",
+           "data: {eval_fraction: 0.1, split_seed: 3}\nfit: {eval_every_n_steps: 5}",
+           "data: {format: messages, packing: true}\nmodel: {remat: true}",
+           "lora: {rank: 8, save: peft}\nexport: out", "lora: {rank: 0, save: merged}"]
 
 
 @pytest.mark.parametrize("text, field", REFUSED, ids=[f for _, f in REFUSED])
