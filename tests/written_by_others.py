@@ -7,6 +7,10 @@ sequence 8).
   (``einsum("bslh,...sh->bslh", q, cos)``: no contracted axis), rotate-half by split/concatenate.
 * :func:`one_piece_split`: Flax NNX, a generic head splitter that calls ``jnp.split(x, parts)``
   with one part for Q and two for a fused K/V projection.
+* :func:`einsum_moe`: Flax linen, a mixture of experts as Switch / Flaxformer / Mixtral ports
+  write it: router ``Dense(E)``, softmax, top-2 by arg-max (GShard's ``top2_gating``), one-hot
+  dispatch and combine tensors of a fixed capacity, ``einsum('gsec,gsm->egcm', dispatch, x)``, experts stacked in [E, d, f]
+  kernels applied by einsum, combined back by ``einsum('gsec,egcm->gsm', combine, y)``.
 """
 
 import jax
@@ -122,4 +126,74 @@ def one_piece_split(n_layers=2, seed=0):
     return apply, params, _lm_loss(apply)
 
 
-PATTERNS = {f.__name__: f for f in (einsum_rotary, one_piece_split)}
+E, TOP_K, CAPACITY = 8, 2, 4  # experts, experts per token, slots per expert per group
+
+
+def _top_2_gating(probs, k, capacity):
+    """GShard's ``top2_gating`` / Switch's router as public code writes them: each token's best
+    expert by arg-max, then the best of the rest, their gates renormalised; a slot in each
+    expert's buffer by priority (first choices first, then tokens in order), tokens over
+    capacity dropped. Returns the [g, s, E, C] dispatch (0/1) and combine (gate-weighted)
+    tensors."""
+    g, s, n_exp = probs.shape
+    masks, gates, rest = [], [], probs
+    for _ in range(k):
+        mask = jax.nn.one_hot(jnp.argmax(rest, axis=-1), n_exp, dtype=probs.dtype)
+        masks.append(mask)
+        gates.append(jnp.sum(probs * mask, axis=-1))
+        rest = rest * (1.0 - mask)
+    mask, gates = jnp.stack(masks, 2), jnp.stack(gates, -1)     # [g, s, k, E], [g, s, k]
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    by_priority = jnp.swapaxes(mask, 1, 2).reshape(g, k * s, n_exp)
+    slot = jnp.cumsum(by_priority, axis=1) * by_priority - 1.0  # position in the expert's buffer
+    slot = jnp.swapaxes(slot.reshape(g, k, s, n_exp), 1, 2)     # [g, s, k, E]
+    mask = mask * (slot < capacity)
+    slot_onehot = jax.nn.one_hot(jnp.sum(slot * mask, axis=-1).astype(jnp.int32), capacity,
+                                 dtype=probs.dtype)             # [g, s, k, C]
+    dispatch = jnp.einsum("gske,gskc->gsec", mask, slot_onehot)
+    combine = jnp.einsum("gsk,gske,gskc->gsec", gates, mask, slot_onehot)
+    return dispatch, combine
+
+
+def einsum_moe(n_layers=2, seed=0):
+    import flax.linen as nn
+
+    class MoE(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.initializers.lecun_normal(batch_axis=(0,))
+            wi = self.param("wi", init, (E, H, F))
+            wo = self.param("wo", init, (E, F, H))
+            probs = jax.nn.softmax(nn.Dense(E, use_bias=False, name="router")(x), axis=-1)
+            dispatch, combine = _top_2_gating(probs, TOP_K, CAPACITY)
+            expert_in = jnp.einsum("gsec,gsm->egcm", dispatch, x)
+            h = nn.gelu(jnp.einsum("egcm,emf->egcf", expert_in, wi))
+            expert_out = jnp.einsum("egcf,efm->egcm", h, wo)
+            return jnp.einsum("gsec,egcm->gsm", combine, expert_out)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            b, s, _ = x.shape
+            y = nn.RMSNorm()(x)
+            q, k, v = (nn.Dense(H, use_bias=False, name=n)(y).reshape(b, s, NH, HD)
+                       for n in ("q_proj", "k_proj", "v_proj"))
+            x = x + nn.Dense(H, use_bias=False, name="o_proj")(attend(q, k, v).reshape(b, s, H))
+            return x + MoE()(nn.RMSNorm()(x))  # groups: one per sequence
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(V, H)(ids)
+            for _ in range(n_layers):
+                x = Block()(x)
+            return nn.Dense(V, use_bias=False, name="lm_head")(nn.RMSNorm()(x))
+
+    model = LM()
+    ids = np.zeros((2, T), np.int32)
+    params = jax.tree_util.tree_map(np.asarray, model.init(jax.random.key(seed), ids)["params"])
+    apply = lambda p, ids: model.apply({"params": p}, ids)  # noqa: E731
+    return apply, params, _lm_loss(apply)
+
+
+PATTERNS = {f.__name__: f for f in (einsum_rotary, one_piece_split, einsum_moe)}

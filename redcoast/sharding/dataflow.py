@@ -42,6 +42,7 @@ from .grouped_axes import grouped
 from .jaxpr_tools import output_axes, scan_operand_groups
 from .paths import leaves_in_written_order, leaves_with_paths
 from .rules import Placement
+from .split_ends import KEPT, REDUCED, SplitEnds
 
 MP = "mp"
 MAX_ROUNDS = 100
@@ -171,6 +172,7 @@ class _Analysis:
             self.blamed = {}    # leaf -> reason
             self.new_wishes = {}
             self.used = set()
+            self.split_ends = SplitEnds()  # how each split ended: used split, or reduced away
             self.follow_conflicts = {}
             self.tentative = set()
             self.tainted_now = self.taint_out = self.clean_out = False
@@ -178,7 +180,10 @@ class _Analysis:
             self.weight_of = {}    # matmul eqn -> {(leaf, parameter axis of each operand axis)}
             ins = [Par(i, tuple(range(len(self.shapes[i])))) for i in range(self.n_params)]
             ins += [Rep(_all(len(_shape(v)))) for v in self.closed.jaxpr.invars[self.n_params:]]
-            self.eval_closed(self.closed, ins)
+            outs = self.eval_closed(self.closed, ins)
+            self.split_ends.note(frozenset().union(*(s.origins for s in outs if isinstance(s, Split))), KEPT)
+            for leaf, reason in self.split_ends.blames(self.is_split).items():
+                self.blamed.setdefault(leaf, reason)
             if not self.blamed and not self.new_wishes:
                 return
             # blames downstream of another conflict's fallback are not trusted this round
@@ -591,6 +596,10 @@ class _Analysis:
                 if size == self.width or size in self.channel_widths:
                     self.conflict(s.origins, f"it is reduced over the model width ({what}, e.g. a norm)",
                                   taint=False)
+                # reduced to a scalar (a loss) ends the program; per-token values left are the
+                # reductions a split of a router's scores would pay for
+                whole = all(_shape(eqn.invars[0])[a] == 1 for a in keep)
+                self.split_ends.note(s.origins, KEPT if whole else REDUCED)
                 return Rep(_all(len(keep)))
             return Split(keep.index(s.axis), s.origins)
         if isinstance(s, Par):
@@ -651,6 +660,7 @@ class _Analysis:
             if a in offset_map and slice_sizes[a] == op_shape[a]:
                 return [Split(offset_map[a], op.origins)]
             if a in dn.start_index_map or a in dn.collapsed_slice_dims:
+                self.split_ends.note(op.origins, REDUCED)
                 return [Rep(_all(nd))]  # a pick along the split axis: XLA masks and all-reduces
             self.conflict(op.origins, "it is gathered along its split axis")
             return [Rep(_all(nd))]
@@ -781,6 +791,7 @@ class _Analysis:
         if kind == "batch":  # the other side is sliced locally (K/V heads repeated for GQA)
             return [Split(out_axis(k, s.axis), origins)]
         if kind == "contract":  # the other side is sliced locally; partial sums all-reduced
+            self.split_ends.note(origins, KEPT)
             return [Rep(_all(out_nd))]  # (the expert combine of a MoE)
         self.conflict(origins, "an activation split on a non-batch axis meets a replicated one in "
                                "a matmul (e.g. values split on head_dim)")
@@ -836,6 +847,7 @@ class _Analysis:
                     self.conflict(x.origins, "the next matmul's parameter is split another way", taint=False)
                 else:
                     self.decide(leaf, pa, "row")
+                self.split_ends.note(x.origins, KEPT)
                 self.clean_out = True  # the row-parallel output is replicated in any placement
                 return Rep(_all(out_nd), src)
             if kind == "batch":
@@ -865,6 +877,8 @@ class _Analysis:
         wa = w.axes.index(pa)
         if not self.decide(leaf, pa, "batch" if wa in batch[wk] else "column"):
             return Rep(_all(out_nd))
+        if wa not in batch[wk]:
+            self.split_ends.column(leaf, pshape[pa], math.prod(shapes[wk][a] for a in contract[wk]))
         return Split(out_axis(wk, wa), frozenset([leaf]))
 
     def column_candidates(self, leaf, w, wshape, wbatch, wfree):
@@ -957,6 +971,7 @@ class _Analysis:
             self.conflict(x.origins, "the next convolution's kernel is split another way", taint=False)
         else:
             self.decide(leaf, pa, "row")
+        self.split_ends.note(x.origins, KEPT)
         self.clean_out = True  # the row-parallel output is replicated in any placement
         return Rep(_all(out_nd), src)
 
