@@ -122,16 +122,17 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capsys):
     trainer = trained_trainer(2, tmp_path)
     trainer.fit(make_examples(32), 1, 1, save_every_n_steps=3, keep_last_n_ckpts=3)  # 8 updates
     steps_dir = tmp_path / "checkpoints" / "steps"
-    assert sorted(int(s) for s in os.listdir(steps_dir) if s.isdigit()) == [3, 6]
-    for root, _, files in os.walk(steps_dir / "6" / "state"):
+    # every 3 updates, and the end (fit saves it where the run resumes)
+    assert sorted(int(s) for s in os.listdir(steps_dir) if s.isdigit()) == [3, 6, 8]
+    for root, _, files in os.walk(steps_dir / "8" / "state"):
         for name in files:  # truncate every data file of the newest checkpoint
             with open(os.path.join(root, name), "r+b") as f:
                 f.truncate(0)
     restorer = trained_trainer(2, tmp_path)
     restorer.deployer.logger.enabled = True
     meta = restorer.restore_checkpoint(CheckpointStore(steps_dir, logger=None))
-    assert meta["step"] == 3
-    assert f"checkpoint {steps_dir / '6'} is damaged" in capsys.readouterr().out
+    assert meta["step"] == 6
+    assert f"checkpoint {steps_dir / '8'} is damaged" in capsys.readouterr().out
 
 
 def test_checkpoint_of_another_model_names_the_differences(tmp_path):
