@@ -181,6 +181,9 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     if scan_layers:
         _check_scannable(model_type)
         overrides["scan_layers"] = True
+    # the step computes in the parameters' dtype (a bfloat16 plan is bf16 training: weights,
+    # gradients, optimizer state and activations), the model's layers and the Trainer alike
+    overrides["dtype"] = jnp.dtype(param_dtype)
     attention = planned_attention(target, param_dtype, model_type)
     if attention:
         overrides["attention_implementation"] = attention
@@ -193,7 +196,8 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     deployer = Deployer(jax_seed=0, n_model_shards=shards, verbose=False,
                         memory_budget_bytes=device_memory, devices=target_devices)
     trainer = Trainer(deployer, _no_examples, model.apply, _loss_for(model, model_type), abstract,
-                      optimizers[optimizer], fsdp=True, fuse_matmuls=True)
+                      optimizers[optimizer], compute_dtype=jnp.dtype(param_dtype), fsdp=True,
+                      fuse_matmuls=True)
     rows = per_device_batch_size * deployer.n_data_shards
     ids = jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32)
     batch = {"ids": ids, "mask": jax.ShapeDtypeStruct((rows, seq_len), jnp.int32), "labels": ids}
@@ -608,7 +612,9 @@ def main(argv):
     parser.add_argument("--seq-len", type=positive_int, required=True)
     parser.add_argument("--per-device-batch-size", type=positive_int, default=1,
                         help="examples per data shard (default 1)")
-    parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the parameters' dtype, which the step also computes in (bfloat16: "
+                             "weights, gradients, optimizer state and activations in bf16)")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor", "sgd"])
     parser.add_argument("--model-shards", type=positive_int,
                         help="a divisor of --devices; default: searched over the divisors of "
