@@ -188,7 +188,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     if attention:
         overrides["attention_implementation"] = attention
     model, abstract = model_from_config(config, param_dtype=jnp.dtype(param_dtype),
-                                        config_overrides=overrides or None)
+                                        config_overrides=overrides)
     optimizers = {"adamw": optax.adamw(1e-5), "sgd": optax.sgd(1e-5),
                   "adafactor": optax.adafactor(1e-5)}
     shards = devices // hosts if model_shards is None else model_shards

@@ -250,11 +250,16 @@ class Trainer:
         as ``collate_fn`` returns, with the micro-batch axis first when accumulating): read its
         ``memory_analysis()`` or ``cost_analysis()``, or its collectives with
         ``redcoast.comms.collective_report``. Fixes the sharding plan, as the first batch would."""
+        micro = self._settled_micro_batch(example_batch)  # first: it may change the layout
+        return lower_train_step(self.layout, self._state, micro, self.accumulate_grad_batches,
+                                self._progress.train_key).compile()
+
+    def _settled_micro_batch(self, example_batch):
+        """An abstract micro-batch shaped like ``example_batch`` on the layout it settles."""
         batch_for = batches_like(_abstract(example_batch), self.accumulate_grad_batches,
                                  self.layout.n_data_shards)
         self._settle_layout(batch_for)
-        return lower_train_step(self.layout, self._state, batch_for(self.mesh),
-                                self.accumulate_grad_batches, self._progress.train_key).compile()
+        return batch_for(self.mesh)
 
     def step_cost(self, example_batch):
         """What one update of batches shaped like ``example_batch`` (as for
@@ -263,9 +268,7 @@ class Trainer:
         remat's recomputation included; redcoast/flops.py) and the device's peak, MFU's terms
         (a ``StepCost``). Fixes the sharding plan, as the first batch would."""
         k = self.accumulate_grad_batches
-        batch_for = batches_like(_abstract(example_batch), k, self.layout.n_data_shards)
-        self._settle_layout(batch_for)
-        micro = batch_for(self.mesh)
+        micro = self._settled_micro_batch(example_batch)
         batch = micro if k == 1 else jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), micro)
         return self._meter.cost(self._state, batch, self._progress.train_key)

@@ -155,6 +155,35 @@ def flax_linen(n_layers=2, seed=0):
     return Arch("flax_linen", params, loss, batch, {4: exp, 2: exp})
 
 
+def nnx_lm(block, n_layers, seed):
+    """``(params, forward(params, ids))``: a Flax NNX LM (embedding, ``n_layers`` of
+    ``block(rngs)``, RMSNorm, head) split into a params pytree and a pure apply, as NNX users
+    hand one to a JAX trainer."""
+    from flax import nnx
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(V, H, rngs=rngs)
+            self.blocks = nnx.List([block(rngs) for _ in range(n_layers)])
+            self.norm = nnx.RMSNorm(H, rngs=rngs)
+            self.head = nnx.Linear(H, V, use_bias=False, rngs=rngs)
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.norm(x))
+
+    graphdef, state = nnx.split(LM(nnx.Rngs(seed)))
+    params = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(state))
+
+    def forward(p, ids):
+        st = jax.tree_util.tree_map(lambda x: x, state)
+        nnx.replace_by_pure_dict(st, p)
+        return nnx.merge(graphdef, st)(ids)
+    return params, forward
+
+
 # ---- 3. Flax NNX, split into a params pytree and a pure apply; SwiGLU MLP --------------------
 def flax_nnx(n_layers=2, seed=0):
     from flax import nnx
@@ -172,26 +201,10 @@ def flax_nnx(n_layers=2, seed=0):
             y = self.norm2(x)
             return x + self.down(nnx.silu(self.gate(y)) * self.up(y))
 
-    class LM(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(V, H, rngs=rngs)
-            self.blocks = nnx.List([Block(rngs) for _ in range(n_layers)])
-            self.norm = nnx.RMSNorm(H, rngs=rngs)
-            self.head = nnx.Linear(H, V, use_bias=False, rngs=rngs)
-
-        def __call__(self, ids):
-            x = self.embed(ids)
-            for blk in self.blocks:
-                x = blk(x)
-            return self.head(self.norm(x))
-
-    graphdef, state = nnx.split(LM(nnx.Rngs(seed)))
-    params = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(state))
+    params, forward = nnx_lm(Block, n_layers, seed)
 
     def loss(p, batch):
-        st = jax.tree_util.tree_map(lambda x: x, state)
-        nnx.replace_by_pure_dict(st, p)
-        return cross_entropy(nnx.merge(graphdef, st)(batch["inputs"]), batch["targets"])
+        return cross_entropy(forward(p, batch["inputs"]), batch["targets"])
 
     b = "blocks/0/"
     exp = {b + "wq/kernel": COL, b + "wk/kernel": COL, b + "wv/kernel": COL, b + "wo/kernel": ROW,

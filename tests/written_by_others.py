@@ -9,15 +9,15 @@ sequence 8).
   with one part for Q and two for a fused K/V projection.
 * :func:`einsum_moe`: Flax linen, a mixture of experts as Switch / Flaxformer / Mixtral ports
   write it: router ``Dense(E)``, softmax, top-2 by arg-max (GShard's ``top2_gating``), one-hot
-  dispatch and combine tensors of a fixed capacity, ``einsum('gsec,gsm->egcm', dispatch, x)``, experts stacked in [E, d, f]
-  kernels applied by einsum, combined back by ``einsum('gsec,egcm->gsm', combine, y)``.
+  dispatch and combine tensors of a fixed capacity, ``einsum('gsec,gsm->egcm', dispatch, x)``,
+  experts stacked in [E, d, f] kernels applied by einsum, combined back by ``einsum('gsec,egcm->gsm', combine, y)``.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from architectures import F, H, HD, NH, T, V, attend, cross_entropy
+from architectures import F, H, HD, NH, T, V, attend, cross_entropy, nnx_lm
 
 
 def _rotate_half(x):
@@ -42,6 +42,14 @@ def _lm_loss(model_apply):
     def loss(params, batch):
         return cross_entropy(model_apply(params, batch["inputs"]), batch["targets"])
     return loss
+
+
+def _linen_lm(model, seed):
+    """``(apply, params, loss)`` of a Flax linen LM taking token ids."""
+    ids = np.zeros((2, T), np.int32)
+    params = jax.tree_util.tree_map(np.asarray, model.init(jax.random.key(seed), ids)["params"])
+    apply = lambda p, ids: model.apply({"params": p}, ids)  # noqa: E731
+    return apply, params, _lm_loss(apply)
 
 
 def einsum_rotary(n_layers=2, seed=0):
@@ -70,11 +78,7 @@ def einsum_rotary(n_layers=2, seed=0):
                 x = Block()(x, cos, sin)
             return nn.Dense(V, use_bias=False, name="lm_head")(nn.RMSNorm()(x))
 
-    model = LM()
-    ids = np.zeros((2, T), np.int32)
-    params = jax.tree_util.tree_map(np.asarray, model.init(jax.random.key(seed), ids)["params"])
-    apply = lambda p, ids: model.apply({"params": p}, ids)  # noqa: E731
-    return apply, params, _lm_loss(apply)
+    return _linen_lm(LM(), seed)
 
 
 def _split_heads(x, parts):
@@ -102,27 +106,7 @@ def one_piece_split(n_layers=2, seed=0):
             x = x + self.o(o.reshape(o.shape[:2] + (H,)))
             return x + self.down(nnx.gelu(self.up(self.norm2(x))))
 
-    class LM(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(V, H, rngs=rngs)
-            self.blocks = nnx.List([Block(rngs) for _ in range(n_layers)])
-            self.norm = nnx.RMSNorm(H, rngs=rngs)
-            self.head = nnx.Linear(H, V, use_bias=False, rngs=rngs)
-
-        def __call__(self, ids):
-            x = self.embed(ids)
-            for blk in self.blocks:
-                x = blk(x)
-            return self.head(self.norm(x))
-
-    graphdef, state = nnx.split(LM(nnx.Rngs(seed)))
-    params = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(state))
-
-    def apply(p, ids):
-        st = jax.tree_util.tree_map(lambda x: x, state)
-        nnx.replace_by_pure_dict(st, p)
-        return nnx.merge(graphdef, st)(ids)
-
+    params, apply = nnx_lm(Block, n_layers, seed)
     return apply, params, _lm_loss(apply)
 
 
@@ -189,11 +173,7 @@ def einsum_moe(n_layers=2, seed=0):
                 x = Block()(x)
             return nn.Dense(V, use_bias=False, name="lm_head")(nn.RMSNorm()(x))
 
-    model = LM()
-    ids = np.zeros((2, T), np.int32)
-    params = jax.tree_util.tree_map(np.asarray, model.init(jax.random.key(seed), ids)["params"])
-    apply = lambda p, ids: model.apply({"params": p}, ids)  # noqa: E731
-    return apply, params, _lm_loss(apply)
+    return _linen_lm(LM(), seed)
 
 
 PATTERNS = {f.__name__: f for f in (einsum_rotary, one_piece_split, einsum_moe)}

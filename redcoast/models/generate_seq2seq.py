@@ -74,8 +74,8 @@ def generate(model, params, input_ids, attention_mask=None, *, max_new_tokens, d
     config's. The search options and transformers' processors are that function's (the
     decoder's history for the processors starts with the start token, so ``min_length`` counts
     it, as in transformers: BART-CNN's ``min_length=56`` is 55 new tokens): greedy by default,
-    ``do_sample=True`` (with ``rng``), ``num_beams > 1`` for beam search, with every processor. Works inside a jitted
-    ``pred_fn`` and called directly (compiled once per model, setting and shape).
+    ``do_sample=True`` (with ``rng``), ``num_beams > 1`` for beam search, with every processor.
+    Works inside a jitted ``pred_fn`` and called directly (compiled once per model, setting and shape).
     """
     config = model.config
     given = dict(

@@ -220,7 +220,6 @@ def row_keys(rng, n_rows):
     return jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(n_rows))
 
 
-
 def last_logits(logits):
     """[N, V] logits of the last position ([N, 1, V] or [N, V] given)."""
     return logits[:, -1] if logits.ndim == 3 else logits

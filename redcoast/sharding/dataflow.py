@@ -181,7 +181,8 @@ class _Analysis:
             ins = [Par(i, tuple(range(len(self.shapes[i])))) for i in range(self.n_params)]
             ins += [Rep(_all(len(_shape(v)))) for v in self.closed.jaxpr.invars[self.n_params:]]
             outs = self.eval_closed(self.closed, ins)
-            self.split_ends.note(frozenset().union(*(s.origins for s in outs if isinstance(s, Split))), KEPT)
+            returned = [s.origins for s in outs if isinstance(s, Split)]
+            self.split_ends.note(frozenset().union(*returned), KEPT)  # outputs are used split
             for leaf, reason in self.split_ends.blames(self.is_split).items():
                 self.blamed.setdefault(leaf, reason)
             if not self.blamed and not self.new_wishes:

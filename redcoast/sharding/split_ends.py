@@ -42,8 +42,9 @@ class SplitEnds:
         out = {}
         for leaf, (size, width) in self.narrow.items():
             if is_split(leaf) and self.ends.get(leaf) == {REDUCED}:
-                out[leaf] = (f"its split output ({size} wide, from {width}) is only ever reduced over "
-                             "its split axis (a softmax, arg-max or gate sum over it, as a router's "
-                             "over its experts): each reduction would be an all-reduce and nothing "
-                             "after them stays split, so this small weight is kept whole")
+                out[leaf] = (f"its split output ({size} wide, from {width}) is only ever reduced "
+                             "over its split axis (a softmax, arg-max or gate sum over it, as a "
+                             "router's over its experts): each reduction would be an all-reduce "
+                             "and nothing after them stays split, so this small weight is kept "
+                             "whole")
         return out
