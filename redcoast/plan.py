@@ -82,6 +82,8 @@ class PlanRecord:
     estimate_basis: str = ""          # the peak and links the estimate assumed, with sources
     candidates: list = dataclasses.field(default_factory=list)  # every layout searched (dicts)
     attention: str = ""               # the planned step's attention where not the model's own
+    megatron_share: float = 1.0       # parameters per device over Megatron's split's
+    short_of_megatron: str = ""       # the weights kept whole and why, when over 1.25x
 
     def table(self):
         """The record as the CLI prints it."""
@@ -96,6 +98,8 @@ class PlanRecord:
                         + (", layers scanned" if self.scan_layers else "")
                         + (f", attention {self.attention}" if self.attention else "")),
                 ("layout", self.layout),
+                ("vs Megatron", f"{self.megatron_share:.2f}x its parameters per device"
+                                + (" (see the warning)" if self.short_of_megatron else "")),
                 ("parameters", gib(self.params_bytes)),
                 ("optimizer state", gib(self.optimizer_bytes)),
                 ("gradients", gib(self.gradient_bytes)),
@@ -241,6 +245,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
         record.temporary_bytes = max(0, refusal.needed_bytes - record.params_bytes
                                      - record.optimizer_bytes)
         record.layout = trainer.layout.description  # each choice said once
+        _megatron(record, trainer)
         record.compiler = (f"{compiler}: refused the step at compile time (\"{refusal.message}\"; "
                            "the peak shown is what it said one device needs)")
         return record
@@ -255,8 +260,15 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     # cuBLAS's matmuls and is absent for XLA:GPU compiling without a GPU
     record.flops_per_device = trainer.step_cost(batch).flops_per_device or 0.0
     record.layout = trainer.layout.description  # each choice said once
+    _megatron(record, trainer)
     record.compiler = compiler
     return record
+
+
+def _megatron(record, trainer):
+    """How the chosen plan's parameter split compares with Megatron's, into ``record``."""
+    record.megatron_share = round(trainer.layout.plan.megatron_share().ratio, 3)
+    record.short_of_megatron = trainer.layout.plan.short_of_megatron() or ""
 
 
 # TPU v4: 4 chips a host (2 x 2 x 1), one device per chip (megacore); slices by chip count

@@ -72,6 +72,28 @@ class GroupedBlock(nn.Module):
         return nn.relu(x + y)
 
 
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block (Liu et al. 2022, as its Flax ports write it): a depthwise 7x7
+    convolution, LayerNorm over the channels, a 4x inverted-bottleneck MLP of two Dense layers
+    with GELU, a per-channel layer scale, plus the residual. A new width or stride starts with
+    ConvNeXt's downsampling layer (LayerNorm, then a stride-2 2x2 convolution)."""
+    features: int
+    strides: int = 1
+    norm: str = None  # ConvNeXt's own LayerNorm; the argument keeps Net's signature
+
+    @nn.compact
+    def __call__(self, x):
+        f = self.features
+        if x.shape[-1] != f or self.strides != 1:
+            x = nn.LayerNorm(name="down_norm")(x)
+            x = nn.Conv(f, (self.strides, self.strides), self.strides, name="downsample")(x)
+        y = nn.Conv(f, (7, 7), feature_group_count=f, name="dwconv")(x)
+        y = nn.Dense(4 * f, name="pwconv1")(nn.LayerNorm(name="norm")(y))
+        y = nn.Dense(f, name="pwconv2")(nn.gelu(y))
+        gamma = self.param("gamma", nn.initializers.constant(0.5), (f,))
+        return x + gamma * y
+
+
 class Net(nn.Module):
     block: type
     n_blocks: int
@@ -147,4 +169,9 @@ def regnet(n_blocks=1, norm="batch", seed=0):
     return _build("regnet", GroupedBlock, n_blocks, norm, seed)
 
 
-CNNS = {"resnet": resnet, "regnet": regnet}
+def convnext(n_blocks=1, norm=None, seed=0):
+    """ConvNeXt-style blocks (32 then 64 channels): a depthwise convolution before an MLP."""
+    return _build("convnext", ConvNeXtBlock, n_blocks, norm, seed)
+
+
+CNNS = {"resnet": resnet, "regnet": regnet, "convnext": convnext}

@@ -44,6 +44,9 @@ def test_a_plan_holds_at_least_the_state_its_layout_must_hold(tiny_config):
                                                                      (True, "not compiled")]
     assert record.examples_per_step == 2 and record.est_step_seconds > 0
     assert "which fits" in record.candidates[1]["why"] and "estimated" in record.table()
+    # the split is Megatron's: every matmul weight over the 4 model shards, nothing kept whole
+    assert record.megatron_share <= 1.0 and not record.short_of_megatron
+    assert f"{record.megatron_share:.2f}x its parameters per device" in record.table()
 
 
 def test_a_plan_that_does_not_fit_says_what_would(tiny_config):

@@ -11,6 +11,10 @@ sequence 8).
   write it: router ``Dense(E)``, softmax, top-2 by arg-max (GShard's ``top2_gating``), one-hot
   dispatch and combine tensors of a fixed capacity, ``einsum('gsec,gsm->egcm', dispatch, x)``,
   experts stacked in [E, d, f] kernels applied by einsum, combined back by ``einsum('gsec,egcm->gsm', combine, y)``.
+* :func:`lstm_lm`: Flax linen's ``nn.RNN(nn.LSTMCell)``, a recurrent cell under ``lax.scan``.
+
+The fifth pattern, a depthwise convolution before an MLP (ConvNeXt), is
+tests/cnn_architectures.py's ``convnext``, tested with the other CNNs in tests/test_conv_tp.py.
 """
 
 import jax
@@ -47,7 +51,8 @@ def _lm_loss(model_apply):
 def _linen_lm(model, seed):
     """``(apply, params, loss)`` of a Flax linen LM taking token ids."""
     ids = np.zeros((2, T), np.int32)
-    params = jax.tree_util.tree_map(np.asarray, model.init(jax.random.key(seed), ids)["params"])
+    params = jax.jit(model.init)(jax.random.key(seed), ids)["params"]  # eager: seconds slower
+    params = jax.tree_util.tree_map(np.asarray, params)
     apply = lambda p, ids: model.apply({"params": p}, ids)  # noqa: E731
     return apply, params, _lm_loss(apply)
 
@@ -176,4 +181,24 @@ def einsum_moe(n_layers=2, seed=0):
     return _linen_lm(LM(), seed)
 
 
-PATTERNS = {f.__name__: f for f in (einsum_rotary, one_piece_split, einsum_moe)}
+
+
+
+def lstm_lm(n_layers=2, seed=0):
+    """Flax linen's own recurrent layers as its examples use them: ``nn.RNN(nn.LSTMCell(H))``
+    (a ``lax.scan`` over the sequence; the cell's gates from eight ``Dense`` layers: four on
+    the input, four with bias on the hidden state), stacked, between an embedding and a head."""
+    import flax.linen as nn
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(V, H)(ids)
+            for i in range(n_layers):
+                x = x + nn.RNN(nn.LSTMCell(H), name=f"lstm_{i}")(nn.LayerNorm()(x))
+            return nn.Dense(V, use_bias=False, name="lm_head")(nn.LayerNorm()(x))
+
+    return _linen_lm(LM(), seed)
+
+
+PATTERNS = {f.__name__: f for f in (einsum_rotary, one_piece_split, einsum_moe, lstm_lm)}

@@ -62,6 +62,7 @@ class Rep:
     vary: frozenset = frozenset()
     src: tuple = None
     tainted: bool = False  # computed from the fallback of a conflict: decisions on it are tentative
+    state: tuple = None    # (shape, steps) of the recurrent state (a loop carry) it comes from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Split:
     """Split over model shards along ``axis``; ``origins``: the parameters whose choice made it."""
     axis: int
     origins: frozenset
+    state: tuple = None    # as Rep's: computed from a recurrent state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +234,9 @@ class _Analysis:
         if isinstance(s, Rep):
             return s.tainted
         if isinstance(s, Split):
-            return bool(s.origins & self.tentative)
+            # a split already in conflict this round (a LayerNorm's mean reduced it away, but the
+            # centred input goes on split) is about to change: what is decided from it is too
+            return bool(s.origins & self.tentative) or bool(s.origins & self.blamed.keys())
         return False
 
     def decide(self, leaf, axis, kind, detail=""):
@@ -310,6 +314,10 @@ class _Analysis:
         outs = handler(eqn, ins)
         if (self.tainted_now or self.taint_out) and not self.clean_out:
             outs = [dataclasses.replace(o, tainted=True) if isinstance(o, Rep) else o for o in outs]
+        state = next((s.state for s in ins if isinstance(s, (Rep, Split)) and s.state), None)
+        if state:  # computed from a recurrent state (an LSTM's gates from h): still the state's
+            outs = [dataclasses.replace(o, state=state)
+                    if isinstance(o, (Rep, Split)) and not o.state else o for o in outs]
         return outs
 
     def elementwise_op(self, eqn, ins):
@@ -361,15 +369,19 @@ class _Analysis:
             srcs = [r.src for r in reps if r.src is not None]
             data = [r for r in reps if r.vary]
             src = srcs[0] if len(srcs) == 1 and len(data) == 1 else None
-            return Rep(vary, src)
+            return Rep(vary, src, state=next((r.state for r in reps if r.state), None))
         axes = {s.axis for s in splits}
         origins = frozenset().union(*(s.origins for s in splits))
         if len(axes) > 1:
             self.conflict_among(splits, "two operands split on different axes meet")
             return Rep(_all(nd))
         a = axes.pop()
+        state = next((x.state for x in splits + reps if x.state), None)
         for r in reps:
             if a in r.vary:
+                if state:  # in a recurrent cell: a gate meets the state (a GRU's r * h)
+                    self.recurrent_state(origins, *state)
+                    return Rep(_all(nd))
                 if not self.residual_meet(r, a, origins):
                     self.conflict(origins, "its split output is added to a replicated activation "
                                            "(the residual stream), which would need an all-gather",
@@ -849,7 +861,9 @@ class _Analysis:
                 else:
                     self.decide(leaf, pa, "row")
                 self.split_ends.note(x.origins, KEPT)
-                self.clean_out = True  # the row-parallel output is replicated in any placement
+                # the row-parallel output is replicated in any placement, unless its input's
+                # split is already in conflict (then the matmul may read it whole and split)
+                self.clean_out = not x.origins & self.blamed.keys()
                 return Rep(_all(out_nd), src)
             if kind == "batch":
                 wa = batch[wk][pos]
@@ -973,7 +987,7 @@ class _Analysis:
         else:
             self.decide(leaf, pa, "row")
         self.split_ends.note(x.origins, KEPT)
-        self.clean_out = True  # the row-parallel output is replicated in any placement
+        self.clean_out = not x.origins & self.blamed.keys()  # as param_matmul's row case
         return Rep(_all(out_nd), src)
 
     def _conv_src(self, w, dn, upstream):
@@ -1044,12 +1058,12 @@ class _Analysis:
     op_reduce_window_sum = op_reduce_window_max = op_reduce_window_min = _pool
 
     # ---- control flow ----------------------------------------------------------------------------
-    def _carry(self, ins, outs, outvars):
+    def _carry(self, ins, outs, outvars, steps=None):
         """Loop carries must keep their placement from one iteration to the next."""
         res = []
         for a, b, v in zip(ins, outs, outvars):
             if isinstance(b, Split) and (not isinstance(a, Split) or a.axis != b.axis):
-                self.conflict(b.origins, "it would change a loop carry's placement")
+                self.recurrent_state(b.origins, _shape(v), steps)
                 res.append(Rep(_all(len(_shape(v)))))
             elif isinstance(a, Split) and not isinstance(b, Split):
                 self.conflict(a.origins, "it would change a loop carry's placement")
@@ -1057,6 +1071,19 @@ class _Analysis:
             else:
                 res.append(b)
         return res
+
+    def recurrent_state(self, origins, shape, steps):
+        """A split that would become a loop's carry: the state of a recurrent cell (an LSTM's h
+        and c, from gates of Dense kernels). Every parameter whose split made it is kept whole,
+        not only the first decided (as :meth:`conflict` blames): once one gate is whole, the
+        next would be blamed for meeting it, one round and one untrue reason at a time."""
+        over = f"{steps} steps" if steps else "its iterations"
+        reason = (f"a recurrent cell's weight, its output updates a loop carry (the recurrent "
+                  f"state {list(shape)}, over {over}): split by hidden units, the state would "
+                  f"be all-gathered at every step, forward and backward")
+        for leaf in origins:
+            self.blamed.setdefault(leaf, reason)
+        self.taint_out = True
 
     def op_scan(self, eqn, ins):
         p = eqn.params
@@ -1074,8 +1101,14 @@ class _Analysis:
                 xs_in.append(Par(s.leaf, s.axes[1:]))
             else:
                 xs_in.append(Rep(frozenset(a - 1 for a in s.vary if a > 0)))
+        if any(isinstance(c, Par) for c in consts) and not any(isinstance(x, Par) for x in xs):
+            # the same weights at every step (a recurrent cell, not a scan over stacked layers):
+            # past the first step, a replicated carry is the state, data in every element
+            carry = [Rep(_all(len(_shape(v))), state=(_shape(v), p["length"]))
+                     if isinstance(c, Rep) else c
+                     for c, v in zip(carry, eqn.invars[nc:nc + ncarry])]
         outs = self.eval_closed(p["jaxpr"], consts + carry + xs_in)
-        carry_out = self._carry(carry, outs[:ncarry], eqn.outvars[:ncarry])
+        carry_out = self._carry(carry, outs[:ncarry], eqn.outvars[:ncarry], p["length"])
         ys = []
         for s in outs[ncarry:]:
             if isinstance(s, Split):
@@ -1215,7 +1248,9 @@ def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_head
             reason = (f"K/V heads (axis {axis}, size {shapes[i][axis]}) over {groups} groups of "
                       f"{n // groups} shards: fewer heads than shards, each group keeps the heads "
                       "its query heads read")
-        out.append(Placement(path, shapes[i], getattr(x, "dtype", np.float32), spec, reason))
+        weight = len(shapes[i]) >= 2 and (i in analysis.used or axis is not None)
+        out.append(Placement(path, shapes[i], getattr(x, "dtype", np.float32), spec, reason,
+                             weight))
     return out
 
 

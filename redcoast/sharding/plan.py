@@ -12,6 +12,7 @@ from .fsdp import fsdp_placements, ungrouped_storage
 from .grouped_axes import entries as spec_entries
 from .grouped_axes import named_sharding
 from .grouped_axes import parse as parse_grouped
+from .megatron_share import megatron_share, shortfall
 from .opt_state import opt_state_specs
 from .paths import path_to_str, path_to_tuple
 from .permuted import split_permutations
@@ -101,6 +102,18 @@ class ShardingPlan:
         return (f"the model has nothing to split over {n} model shards: every device repeats the "
                 "same work; use n_model_shards=1 or 'auto'")
 
+    def short_of_megatron(self, frozen_split=False):
+        """What to say when the plan keeps weights whole that Megatron would split (over
+        megatron_share.RATIO times its share per device), else None; a plan with nothing to
+        split says so instead (:meth:`nothing_to_split`)."""
+        if self.nothing_to_split(frozen_split):
+            return None
+        return shortfall(self.compute_placements, self.axis_sizes)
+
+    def megatron_share(self):
+        """Parameter bytes per device under this plan and under Megatron's split (a Share)."""
+        return megatron_share(self.compute_placements, self.axis_sizes)
+
     def same_placement(self, other):
         return [pl.spec for pl in self.placements] == [pl.spec for pl in other.placements]
 
@@ -137,7 +150,8 @@ class ShardingPlan:
     def table(self, frozen_split=False):
         """The plan, one parameter a line, and its notes (``frozen_split``: as
         :meth:`nothing_to_split`)."""
-        notes = [n for n in (self.fsdp_note, self.nothing_to_split(frozen_split)) if n]
+        notes = [n for n in (self.fsdp_note, self.nothing_to_split(frozen_split),
+                             self.short_of_megatron(frozen_split)) if n]
         return format_plan(self.placements, self.axis_sizes) + "".join(f"\n{n}" for n in notes)
 
 

@@ -32,6 +32,8 @@ class Placement:
     dtype: object
     spec: P
     reason: str
+    # a matmul, convolution or embedding weight the data flow saw: Megatron would split it
+    weight: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "spec", normalize_spec(self.spec))
