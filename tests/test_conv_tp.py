@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from cnn_architectures import CNNS, block_activations, collate, convnext, examples, regnet, resnet
 from redcoast import Deployer, Trainer
+from redcoast.sharding.paths import path_to_str, path_to_tuple
 from redcoast.comms import megatron_conv_ideal, per_layer
 from redcoast.sharding.dataflow import dataflow_placements
 
@@ -169,7 +170,7 @@ def _device0_share(trainer, megatron=lambda path: True):
     device = jax.devices()[0]
     held = share = 0
     for path, x in jax.tree_util.tree_leaves_with_path(trainer.params):
-        share += x.nbytes / N if megatron("/".join(k.key for k in path)) else x.nbytes
+        share += x.nbytes / N if megatron(path_to_str(path_to_tuple(path))) else x.nbytes
         held += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
     return held / share
 

@@ -14,6 +14,7 @@ import pytest
 
 from architectures import B, H, T, _tokens
 from redcoast import Deployer, Trainer
+from redcoast.sharding.paths import path_to_str, path_to_tuple
 from redcoast.comms import megatron_ideal, per_layer
 from written_by_others import PATTERNS, TOP_K
 
@@ -55,7 +56,7 @@ def device0_share(trainer, whole=lambda path: False):
     held = ideal = 0
     for path, x in jax.tree_util.tree_leaves_with_path(trainer.params):
         held += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
-        split = x.ndim >= 2 and not whole("/".join(k.key for k in path))
+        split = x.ndim >= 2 and not whole(path_to_str(path_to_tuple(path)))
         ideal += x.nbytes / N if split else x.nbytes
     return held / ideal
 
