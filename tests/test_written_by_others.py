@@ -165,3 +165,35 @@ def test_a_router_only_reduced_over_its_experts_stays_whole():
     assert placed["Block_0/MoE_0/router/kernel"] == P()
     assert placed["Block_0/MoE_0/wi"] == placed["Block_0/MoE_0/wo"] == P("mp")
     assert placed["lm_head/kernel"] == P(None, "mp")  # wider than hidden: vocabulary-parallel
+
+
+def test_a_time_embedding_reshaped_with_size_one_axes_and_broadcast_splits_with_its_block():
+    # a DDPM ResnetBlock (tests/zoo_by_others.py's U-Net): Dense(2C)(t)[:, None, None, :] cut
+    # into scale and shift, h * (1 + scale) + shift on the block's channel split. Two things
+    # stopped it: (8, 1, 1, 2C) -> (8, 1, 1, 2, C) grouped the 1s with 2C (a split 'broken'),
+    # and the broadcast [b, 1, 1, C] shift read as a residual stream met by the split
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    rng = np.random.default_rng(0)
+    c = 16
+    params = {"time": rng.standard_normal((H, 2 * c)).astype(np.float32),
+              "up": rng.standard_normal((H, c)).astype(np.float32),
+              "down": rng.standard_normal((c, H)).astype(np.float32)}
+
+    def loss(p, batch):
+        x, t = batch
+        h = x @ p["up"]                                                    # [b, 4, 4, c] split
+        emb = (t @ p["time"])[:, None, None, :].reshape(t.shape[0], 1, 1, 2, c)
+        scale, shift = emb[..., 0, :], emb[..., 1, :]
+        return jnp.sum((h * (1 + scale) + shift) @ p["down"])
+
+    batch = (np.ones((B, 4, 4, H), np.float32), np.ones((B, H), np.float32))
+    # the fused time kernel is whole here; the Trainer stores it permuted and splits it too
+    assert _placements(loss, params, batch) == {"time": P(), "up": P(None, "mp"), "down": P("mp")}
+
+    def by_heads(p, batch):  # a column split through (b, 1, 1, c) -> (b, 1, 1, 4, c / 4)
+        x, t = batch
+        gate = (t @ p["up"])[:, None, None, :].reshape(t.shape[0], 1, 1, 4, c // 4)
+        return jnp.sum((x @ p["up"] * gate.reshape(t.shape[0], 1, 1, c)) @ p["down"])
+    assert _placements(by_heads, params, batch) == {"time": P(), "up": P(None, "mp"),
+                                                    "down": P("mp")}

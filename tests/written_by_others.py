@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from architectures import F, H, HD, NH, T, V, attend, cross_entropy, nnx_lm
+from architectures import F, H, HD, NH, T, V, attend, cross_entropy, nnx_lm, quick_init
 
 
 def _rotate_half(x):
@@ -51,8 +51,7 @@ def _lm_loss(model_apply):
 def _linen_lm(model, seed):
     """``(apply, params, loss)`` of a Flax linen LM taking token ids."""
     ids = np.zeros((2, T), np.int32)
-    params = jax.jit(model.init)(jax.random.key(seed), ids)["params"]  # eager: seconds slower
-    params = jax.tree_util.tree_map(np.asarray, params)
+    params = jax.tree_util.tree_map(np.asarray, quick_init(model, seed, ids)["params"])
     apply = lambda p, ids: model.apply({"params": p}, ids)  # noqa: E731
     return apply, params, _lm_loss(apply)
 

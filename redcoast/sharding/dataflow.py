@@ -46,6 +46,7 @@ from .split_ends import KEPT, REDUCED, SplitEnds
 
 MP = "mp"
 MAX_ROUNDS = 100
+_MET_REPLICATED = "its split output is added to a replicated activation"
 _DEBUG = bool(__import__("os").environ.get("REDCOAST_DATAFLOW_DEBUG"))
 
 
@@ -97,7 +98,15 @@ def _reshape_groups(a, b):
     while i < len(a) or j < len(b):
         gi, gj, pi, pj = [], [], 1, 1
         while True:
-            if pi == pj and (gi or gj) and (i >= len(a) or a[i] != 1) and (j >= len(b) or b[j] != 1):
+            if pi == pj and (gi or gj):
+                # the group is complete: size-1 axes next on either side join it, not the next
+                # one ((8, 1, 1, 32) -> (8, 1, 1, 4, 2, 4): the 1s go with the 8, not the 32)
+                while i < len(a) and a[i] == 1:
+                    gi.append(i)
+                    i += 1
+                while j < len(b) and b[j] == 1:
+                    gj.append(j)
+                    j += 1
                 break
             if pi <= pj and i < len(a):
                 pi *= a[i]
@@ -167,8 +176,28 @@ class _Analysis:
         self.candidates = {}   # leaf -> [parameter axes] tried as column splits
         self.undivisible = {}  # leaf -> reason no candidate divided
 
-    # ---- one walk over the program -------------------------------------------------------
+    # ---- walks over the program until nothing conflicts -----------------------------------
     def run(self):
+        """Walk until no split conflicts; then once more with the weights given up for meeting
+        a replicated value reopened. A blame is made on what was decided before it in the same
+        walk; a split decided earlier and given up later (a U-Net's stem, whose output is
+        concatenated with the decoder's) may have made the replicated value it met (the row-
+        parallel output of a convolution that reads the stem's split). Reopened, such a weight
+        splits once that cause is gone; the second plan is kept if it replicates fewer bytes."""
+        self._converge()
+        reopen = [leaf for leaf, why in self.final.items() if why.startswith(_MET_REPLICATED)]
+        if not reopen:
+            return
+        before = (dict(self.choice), dict(self.final), dict(self.wish))
+        for leaf in reopen:
+            del self.final[leaf]
+            self.choice.pop(leaf, None)
+        self._converge()
+        if self._bytes(self.final) >= self._bytes(before[1]):
+            self.choice, self.final, self.wish = before
+            self._converge()
+
+    def _converge(self):
         for _ in range(MAX_ROUNDS):
             self.decided = {}   # leaf -> (axis, kind, detail)
             self.blamed = {}    # leaf -> reason
@@ -344,12 +373,18 @@ class _Analysis:
         out = _shape(eqn.outvars[0])
         nd = len(out)
         full = []
+        split = any(isinstance(s, Split) for s in ins)
         for v, s in zip(eqn.invars, ins):
             shp = _shape(v)
             if len(shp) != nd and nd:
                 continue  # a scalar
             bcast = {i for i in range(nd) if shp[i] != out[i]}  # size-1 axes broadcast here
-            if bcast and isinstance(s, Rep):
+            if bcast and isinstance(s, Rep) and split:
+                # broadcast into a split (a time embedding's [b, 1, 1, C] scale or shift, an
+                # adaLN modulation): each shard reads its slice, nothing moves; unlike the
+                # residual stream, which is never broadcast
+                s = Rep(frozenset(), None, s.tainted, s.state)
+            elif bcast and isinstance(s, Rep):
                 s = Rep(s.vary - bcast, None if s.src else None)
             elif bcast and isinstance(s, Par):
                 s = Par(s.leaf, tuple(None if i in bcast else a for i, a in enumerate(s.axes)))
@@ -383,9 +418,8 @@ class _Analysis:
                     self.recurrent_state(origins, *state)
                     return Rep(_all(nd))
                 if not self.residual_meet(r, a, origins):
-                    self.conflict(origins, "its split output is added to a replicated activation "
-                                           "(the residual stream), which would need an all-gather",
-                                  taint=False)
+                    self.conflict(origins, _MET_REPLICATED + " (the residual stream), which "
+                                           "would need an all-gather", taint=False)
                     return Rep(_all(nd))
         for p in pars:
             pa = p.axes[a]
