@@ -68,12 +68,13 @@ def shortfall(placements, axis_sizes):
         more = f" and {len(pls) - _NAMED} more" if len(pls) > _NAMED else ""
         lines.append(f"  {names}{more} ({sum(map(_nbytes, pls)) / 2**20:.2f} MiB): {reason}")
     first = share.whole[0]
-    spec = "PartitionSpec(None, 'mp')" if len(first.shape) == 2 else "PartitionSpec(...)"
-    example = f"({tuple(str(k) for k in first.path)!r}, {spec})"
+    example = f"({tuple(str(k) for k in first.path)!r}, PartitionSpec(...))"
     return (f"the plan holds {share.ratio:.2f}x the parameters per device that Megatron's split "
             f"over {n} model shards would ({share.held / 2**20:.2f} MiB, not "
             f"{share.megatron / 2**20:.2f}): {kept / 2**20:.2f} MiB of matmul weights are kept "
             f"whole, every device repeating their work:\n" + "\n".join(lines) +
             f"\nFix: if a split of them is right after all, name it in params_sharding_rules "
-            f"(e.g. {example}; the layout check compares the result with one device); else "
-            f"n_model_shards=1 or 'auto' trains them data-parallel")
+            f"(e.g. {example} with 'mp' on the axis to split; the layout check compares the "
+            f"result with one device); where a size does not divide (heads reshaped above), a "
+            f"number of model shards that divides it; else n_model_shards=1 or 'auto' trains "
+            f"them data-parallel")
