@@ -20,6 +20,11 @@ key blocks per head by vmap or ``take_along_axis``, the heads a batching axis of
 biases added to a split output follow it; a lookup into a parameter is an embedding (vocabulary
 split when it divides, else hidden).
 
+A scan that applies the same weights at every step is a recurrent cell: its replicated carries
+are its state, and a gate whose split would meet or become the state keeps every weight of that
+split whole (split by hidden units, the state would be all-gathered at every step). A replicated
+value broadcast into a split (a [batch, 1, 1, C] scale or shift) is sliced where it is read.
+
 A split that cannot go on without communication — sliced (a fused QKV written as one (hidden,
 3*hidden) matrix), concatenated, reduced over the model width (a norm), added to the residual
 stream, fed to a matmul whose parameter cannot be split — is a *conflict*: the parameters that
@@ -1092,12 +1097,17 @@ class _Analysis:
     op_reduce_window_sum = op_reduce_window_max = op_reduce_window_min = _pool
 
     # ---- control flow ----------------------------------------------------------------------------
-    def _carry(self, ins, outs, outvars, steps=None):
-        """Loop carries must keep their placement from one iteration to the next."""
+    def _carry(self, ins, outs, outvars, recurrent_steps=None):
+        """Loop carries must keep their placement from one iteration to the next.
+        ``recurrent_steps``: the loop applies the same weights at every step (a recurrent
+        cell), over that many steps."""
         res = []
         for a, b, v in zip(ins, outs, outvars):
             if isinstance(b, Split) and (not isinstance(a, Split) or a.axis != b.axis):
-                self.recurrent_state(b.origins, _shape(v), steps)
+                if recurrent_steps:
+                    self.recurrent_state(b.origins, _shape(v), recurrent_steps)
+                else:
+                    self.conflict(b.origins, "it would change a loop carry's placement")
                 res.append(Rep(_all(len(_shape(v)))))
             elif isinstance(a, Split) and not isinstance(b, Split):
                 self.conflict(a.origins, "it would change a loop carry's placement")
@@ -1135,14 +1145,17 @@ class _Analysis:
                 xs_in.append(Par(s.leaf, s.axes[1:]))
             else:
                 xs_in.append(Rep(frozenset(a - 1 for a in s.vary if a > 0)))
-        if any(isinstance(c, Par) for c in consts) and not any(isinstance(x, Par) for x in xs):
+        recurrent = any(isinstance(c, Par) for c in consts) and not any(isinstance(x, Par)
+                                                                         for x in xs)
+        if recurrent:
             # the same weights at every step (a recurrent cell, not a scan over stacked layers):
             # past the first step, a replicated carry is the state, data in every element
             carry = [Rep(_all(len(_shape(v))), state=(_shape(v), p["length"]))
                      if isinstance(c, Rep) else c
                      for c, v in zip(carry, eqn.invars[nc:nc + ncarry])]
         outs = self.eval_closed(p["jaxpr"], consts + carry + xs_in)
-        carry_out = self._carry(carry, outs[:ncarry], eqn.outvars[:ncarry], p["length"])
+        carry_out = self._carry(carry, outs[:ncarry], eqn.outvars[:ncarry],
+                                p["length"] if recurrent else None)
         ys = []
         for s in outs[ncarry:]:
             if isinstance(s, Split):
