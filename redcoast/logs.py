@@ -47,6 +47,8 @@ class RunLogger:
             self._metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
             self._metrics_file.write(json.dumps({"event": "run_start", "time": time.time()}) + "\n")
             self._metrics_file.flush()
+        if not self._logger.handlers:  # quiet, no workdir: not Python's last-resort handler,
+            self._logger.addHandler(_logging.NullHandler())  # which would print warnings twice
         if run_tensorboard:
             if workdir is None:
                 raise ValueError("run_tensorboard=True needs a workdir to write events to. "
