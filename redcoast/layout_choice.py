@@ -41,8 +41,8 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
     frozen_split = _frozen_split_over_model_shards(layout)  # LoRA: the base is split
     if len(shard_counts) == 1 and layout.plan.nothing_to_split(frozen_split):  # said always
         deployer.log_warning(layout.plan.nothing_to_split(frozen_split) + ".")
-    elif layout.plan.short_of_megatron(frozen_split):  # said always
-        deployer.log_warning(layout.plan.short_of_megatron(frozen_split) + ".")
+    elif short := layout.plan.short_of_megatron(frozen_split):  # said always
+        deployer.log_warning(short + ".")
     if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
         deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
                           f"{layout.n_data_shards} x mp={layout.n_model_shards}): {layout.reason}.")

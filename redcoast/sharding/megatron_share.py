@@ -42,11 +42,11 @@ def megatron_share(placements, axis_sizes):
     n = axis_sizes.get("mp", 1)
     held, megatron, whole = 0, 0.0, []
     for pl in placements:
-        size = _nbytes(pl)
-        held += pl.bytes_per_device(axis_sizes)
+        size, on_device = _nbytes(pl), pl.bytes_per_device(axis_sizes)
+        held += on_device
         splittable = pl.weight and any(d % n == 0 for d in pl.shape)
         megatron += size / n if splittable else size
-        if splittable and pl.bytes_per_device(axis_sizes) == size:
+        if splittable and on_device == size:
             whole.append(pl)
     whole.sort(key=lambda pl: -_nbytes(pl))
     return Share(held, megatron, tuple(whole))
