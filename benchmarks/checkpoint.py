@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from redcoast import Deployer, Trainer  # noqa: E402
-from redcoast.checkpoint import CheckpointStore  # noqa: E402
+from redcoast.store.checkpoint import CheckpointStore  # noqa: E402
 
 
 class DenseStack(nn.Module):

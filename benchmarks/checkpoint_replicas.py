@@ -1,5 +1,5 @@
 """Saving replicated arrays: in slices, one per device that holds them (Orbax's default), or whole
-below redcoast's slice size (``redcoast.checkpoint.REPLICA_SLICE_MIN_BYTES``).
+below redcoast's slice size (``redcoast.store.checkpoint.REPLICA_SLICE_MIN_BYTES``).
 
     python benchmarks/checkpoint_replicas.py [--repeats 5] [--large-mib 400]
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from redcoast.checkpoint import REPLICA_SLICE_MIN_BYTES, CheckpointStore  # noqa: E402
+from redcoast.store.checkpoint import REPLICA_SLICE_MIN_BYTES, CheckpointStore  # noqa: E402
 
 
 def small_state(mesh):

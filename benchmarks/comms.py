@@ -2,7 +2,7 @@
 
 For every test architecture (tests/architectures.py) and 2, 4, 8 model shards on 8 simulated CPU
 devices: derive the plan with ``dataflow_placements``, compile one SGD training step at two
-depths, and difference their collectives (redcoast/comms.py) to get one layer's traffic. The ratio
+depths, and difference their collectives (redcoast/layout/comms.py) to get one layer's traffic. The ratio
 is per-layer 'mp' wire bytes over Megatron's (2 all-reduces of the [batch, seq, hidden] activation
 forward and 2 backward; 3 + 3 with cross-attention; for layers under jax.checkpoint, as with
 Megatron's full activation recomputation, the forward's all-reduces once more). Data-parallel
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from architectures import ARCHITECTURES, B  # noqa: E402
-from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
+from redcoast.layout.comms import megatron_ideal, per_layer  # noqa: E402
 from redcoast.sharding.dataflow import dataflow_placements  # noqa: E402
 from redcoast.sharding.fusion import fuse_sibling_matmuls  # noqa: E402
 from redcoast.sharding.grouped_axes import named_sharding  # noqa: E402

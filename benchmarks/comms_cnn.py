@@ -3,7 +3,7 @@
 For the ResNet- and RegNet/ResNeXt-style CNNs of tests/cnn_architectures.py on 8 simulated CPU
 devices (2 data x 4 model shards), Trainer with every default: the parameter bytes device 0 holds
 over its share (total / 4), and one block's model-parallel wire bytes (the training step compiled
-at two depths, collectives differenced, redcoast/comms.py) over Megatron's channel split: one
+at two depths, collectives differenced, redcoast/layout/comms.py) over Megatron's channel split: one
 all-reduce of the block's [batch, H, W, C] output forward and one of its input gradient backward.
 
     PYTHONPATH=. python benchmarks/comms_cnn.py [resnet|regnet ...]
@@ -24,7 +24,7 @@ import optax  # noqa: E402
 
 from cnn_architectures import CNNS, block_activations, collate, examples  # noqa: E402
 from redcoast import Deployer, Trainer  # noqa: E402
-from redcoast.comms import megatron_conv_ideal, per_layer  # noqa: E402
+from redcoast.layout.comms import megatron_conv_ideal, per_layer  # noqa: E402
 
 N, PER_DEVICE, BLOCKS = 4, 2, 2
 

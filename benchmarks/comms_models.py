@@ -3,7 +3,7 @@ the Trainer (its plan traced from the loss, its sibling-matmul fusion, its compi
 
 For each model in redcoast.models (tiny configs: hidden 64, 8 heads, vocabulary 128, sequence 8,
 global batch 8; ViT: 12x12 images in 4x4 patches, 10 tokens) and 2, 4, 8 model shards on 8 simulated CPU devices: compile the Trainer's training
-step at two depths and difference its collectives (redcoast/comms.py). 'mp / Megatron' is the
+step at two depths and difference its collectives (redcoast/layout/comms.py). 'mp / Megatron' is the
 per-layer 'mp' wire bytes over Megatron-LM's (2 all-reduces of the [batch, seq, hidden] activation
 forward and 2 backward; a T5, BART or ViT + GPT-2 layer counts one encoder and one decoder layer:
 2 + 3 each way, each at its own sequence length). GPT-J's parallel block is held to the same
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from redcoast import Deployer, Trainer  # noqa: E402
-from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
+from redcoast.layout.comms import megatron_ideal, per_layer  # noqa: E402
 from redcoast.models import (Model, bart, bert, gpt2, gptj, llama, opt, t5, vision_encoder_decoder,  # noqa: E402
                              vit)
 

@@ -38,7 +38,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from redcoast import Deployer, Trainer  # noqa: E402
-from redcoast.comms import collective_report  # noqa: E402
+from redcoast.layout.comms import collective_report  # noqa: E402
 from redcoast.models import Model, llama  # noqa: E402
 
 SEQ, GLOBAL_BATCH, VOCAB = 128, 16, 1024

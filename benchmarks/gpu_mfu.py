@@ -19,7 +19,7 @@ FLOPs per token, stated as in PaLM (Chowdhery et al. 2022, appendix B):
 N counts the parameters of every matmul (attention, MLP and the LM head; not the input embedding,
 which is a lookup); the second term is the attention score and value matmuls (QK^T and AV),
 forward and backward, without discounting the causal mask. Rematerialised work is not counted
-(model FLOPs). MFU = FLOPs per token * tokens/s / the device's peak (redcoast.throughput's
+(model FLOPs). MFU = FLOPs per token * tokens/s / the device's peak (redcoast.layout.throughput's
 table, or --peak-tflops). XLA's own count of the compiled step (what the Trainer logs as
 train_mfu; it includes recomputation) is printed beside it.
 """
@@ -87,8 +87,8 @@ def main():
     from redcoast.models import Model
     from redcoast.models.attention import choose_implementation, cuda_capability
     from redcoast.models.llama import LlamaConfig, LlamaForCausalLM
-    from redcoast.steps import cast_floating
-    from redcoast.throughput import compiled_flops, peak_flops
+    from redcoast.layout.steps import cast_floating
+    from redcoast.layout.throughput import compiled_flops, peak_flops
 
     compute = jnp.float32 if args.fp32 else jnp.bfloat16
     if args.tiny:

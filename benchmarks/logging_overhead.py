@@ -27,7 +27,7 @@ import optax  # noqa: E402
 
 from redcoast import Deployer, Trainer  # noqa: E402
 from redcoast.data import EpochData  # noqa: E402
-from redcoast.step_meter import StepMeter  # noqa: E402
+from redcoast.loop.step_meter import StepMeter  # noqa: E402
 from redcoast.models import Model  # noqa: E402
 from redcoast.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 

@@ -36,7 +36,7 @@ import optax  # noqa: E402
 
 from redcoast.lora import DEFAULT_TARGETS, LoRA, count  # noqa: E402
 from redcoast.models import Model, llama  # noqa: E402
-from redcoast.steps import cast_floating  # noqa: E402
+from redcoast.layout.steps import cast_floating  # noqa: E402
 
 SMOLLM2_135M = llama.Config(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

@@ -9,7 +9,7 @@ shardings, and measure the live arrays (bytes of each array's shard on device 0)
   means every split is even.
 - 'state / (total/8)': parameter + optimizer-state bytes per device over their total / 8, without
   and with FSDP on every tensor (``fsdp=True``'s plan; the Trainer's default weighs each
-  tensor's gather against the step's time, redcoast/fsdp_cost.py).
+  tensor's gather against the step's time, redcoast/layout/fsdp_cost.py).
   Tensors the plan replicates over the model shards are split over dp and mp together.
   With mp = 8 there is one data shard, so FSDP changes nothing.
 

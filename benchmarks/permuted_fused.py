@@ -6,7 +6,7 @@ a transformers release that still ships Flax is importable (4.57.6: ``pip instal
 --target DIR transformers==4.57.6 tokenizers==0.22.1 huggingface_hub==0.36.0`` and
 ``PYTHONPATH=DIR``), Hugging Face's own ``FlaxGPT2LMHeadModel`` (c_attn kernel (3*hidden,
 hidden) applied transposed). For each: the tensor-parallel plan traced from the loss, one SGD
-step compiled at two depths and differenced (redcoast/comms.py). Columns: per-layer 'mp' wire
+step compiled at two depths and differenced (redcoast/layout/comms.py). Columns: per-layer 'mp' wire
 bytes over Megatron-LM's; device 0's parameter bytes over a 1/4 share, per layer (differenced)
 and for the whole model; the same over Megatron's own placement (its norms, row biases and
 position table replicated). 'Trainer': the same model through a Trainer with every default
@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from redcoast.comms import megatron_ideal, per_layer  # noqa: E402
+from redcoast.layout.comms import megatron_ideal, per_layer  # noqa: E402
 from redcoast.sharding.dataflow import dataflow_placements  # noqa: E402
 from redcoast.sharding.grouped_axes import named_sharding  # noqa: E402
 from redcoast.sharding.paths import path_to_tuple  # noqa: E402

@@ -59,7 +59,7 @@ def cpu_plan(args, device_memory):
     if args.cpu_plan:
         with open(args.cpu_plan) as f:
             return json.load(f)
-    from redcoast.plan import plan
+    from redcoast.cli.plan_command import plan
     import dataclasses
     return dataclasses.asdict(plan(args.config, devices=1, device_memory=device_memory,
                                    seq_len=args.seq_len, remat=False, scan_layers=False,
@@ -128,7 +128,7 @@ def main():
     from redcoast import Deployer, Trainer
     from redcoast.errors import ConfigError
     from redcoast.models.pretrained import model_from_config
-    from redcoast.plan import _loss_for
+    from redcoast.cli.plan_command import _loss_for
 
     device = jax.devices()[0]
     deployer = Deployer(jax_seed=0, n_model_shards=1, verbose=False)
@@ -136,7 +136,7 @@ def main():
     print(f"{device.device_kind}, jax {jax.__version__}, device memory {gib(budget)}")
     planned = cpu_plan(args, budget)
     if args.gpu_target == "auto":  # the described GPU that this device is, if any
-        from redcoast import gpu_targets
+        from redcoast.cli import gpu_targets
         args.gpu_target = next((name for name in gpu_targets.names() if gpu_targets.description(
             name)["device_kind"] == device.device_kind), None)
     gpu_planned, gpu_why_not = (None, "no --gpu-target (or none describes this device)") if (

@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # planning, a run as a file, simulated devices, the per-user cache
 PUBLIC = [
     "redcoast", "redcoast.trainer", "redcoast.deployer", "redcoast.predictor", "redcoast.models",
-    "redcoast.data", "redcoast.packing", "redcoast.chat_data", "redcoast.logprobs",
-    "redcoast.sampling", "redcoast.plan", "redcoast.run_config",
+    "redcoast.data", "redcoast.text.packing", "redcoast.text.chat_data", "redcoast.text.logprobs",
+    "redcoast.text.sampling", "redcoast.cli.plan_command", "redcoast.cli.run_config",
     "redcoast.simulate", "redcoast.errors", "redcoast.progress", "redcoast.lora",
-    "redcoast.export", "redcoast.sharding", "redcoast.user_cache", "redcoast.placement",
+    "redcoast.export", "redcoast.sharding", "redcoast.store.user_cache", "redcoast.multihost.placement",
 ]
 
 

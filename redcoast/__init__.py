@@ -1,10 +1,10 @@
 """redcoast: distributed training and inference of large models on JAX from three functions."""
 
-from .compat import Deployer, Predictor, RedcoCompatWarning, Trainer  # core classes + redco's forms
 from .callbacks import Callback, EarlyStopping, History
-from .lora import LoRA, load_adapters, save_adapters
+from .compat import Deployer, Predictor, RedcoCompatWarning, Trainer  # core classes + redco's forms
 from .errors import (CheckpointError, ConfigError, DataError, EvaluationError, LayoutCheckError,
                      LossError, NonFiniteLossError, RedcoastError)
+from .lora import LoRA, load_adapters, save_adapters
 from .sharding import ShardingPlan
 from .train_state import TrainState
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from .launch import cli
+from .cli.main import cli
 
 sys.exit(cli())

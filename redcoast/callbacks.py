@@ -2,11 +2,11 @@
 returns.
 
 A callback's hooks run after each update, after each evaluation, at each epoch's end and at
-the run's end (``fit(..., callbacks=[...])``, after the built-in ones of redcoast/actions.py:
+the run's end (``fit(..., callbacks=[...])``, after the built-in ones of redcoast/loop/actions.py:
 saving, evaluating, max_steps, signals). A hook that returns a reason (a short text) stops the
 run there: the last checkpoint is saved and the evaluation due at the end runs, as at
 ``max_steps``, and a rerun of the same command says the run is complete. Each hook gets the
-run (:class:`~redcoast.fit_run.FitRun`): ``run.trainer.progress`` (step, epoch, position),
+run (:class:`~redcoast.loop.fit_run.FitRun`): ``run.trainer.progress`` (step, epoch, position),
 ``run.history`` (the metrics logged so far), ``run.save()``, ``run.evaluate(label)`` and
 ``run.deployer.log_info(text)``. Every process runs the same hooks on the same values, so a
 decision to stop is the same everywhere.

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import ConfigError, DataError
-from .stream_fingerprint import RunningFingerprint
 from .sharding.paths import key_to_str, path_to_str
+from .store.stream_fingerprint import RunningFingerprint
 
 
 def epoch_order(n_examples, seed, epoch, shuffle=True):

@@ -7,14 +7,16 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from . import distributed, user_cache, validate
+from . import validate
 from .errors import ConfigError
 from .export import save_params
 from .logs import RunLogger
+from .multihost import distributed
 from .schedules import make_lr_schedule, n_updates_per_epoch
 from .sharding import ShardingPlan
 from .sharding.dataflow import traced_placements
-from .workdir import WorkdirLock, absolute
+from .store import user_cache
+from .store.workdir import WorkdirLock, absolute
 
 
 class Deployer:

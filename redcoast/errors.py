@@ -32,7 +32,7 @@ class NonFiniteLossError(RedcoastError, FloatingPointError):
     @classmethod
     def at(cls, step, value, findings=(), batch_checked=False):
         """The error for a loss that became ``value`` at ``step``; ``findings``: what
-        :mod:`redcoast.batch_diagnosis` found in the parameters and (``batch_checked``) the
+        :mod:`redcoast.loop.batch_diagnosis` found in the parameters and (``batch_checked``) the
         step's batch."""
         text = (f"The training loss became {value} at step {step} (counting from 0), so training "
                 "stopped and no checkpoint was written after it; the last checkpoint on disk, if "
@@ -70,3 +70,11 @@ class LayoutCheckError(RedcoastError, AssertionError):
 class EvaluationError(RedcoastError, RuntimeError):
     """An evaluation during ``fit`` failed; the message says in which function (the original
     error is its ``__cause__``) and which checkpoint a rerun resumes from."""
+
+
+class PlanError(ValueError):
+    """A plan asked for what cannot be planned here; the message says how to ask instead."""
+
+
+class CompileFailure(PlanError):
+    """The compiler failed on one layout's step for a reason other than memory."""

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .sharding.paths import leaves_with_paths, path_to_tuple
 from .errors import ConfigError
-from .tensor_files import entry, write_safetensors
+from .sharding.paths import leaves_with_paths, path_to_tuple
+from .store.tensor_files import entry, write_safetensors
 
 SEPARATOR = "."
 
@@ -51,7 +51,7 @@ def named_tensors(params):
 
 def load_params(path, like):
     """Read a safetensors file written by :func:`save_params` into the structure of ``like``."""
-    from .safetensors_check import load_safetensors
+    from .store.safetensors_check import load_safetensors
 
     tensors = load_safetensors(path, "pass the file redcoast.export.save_params wrote, or "
                                      "write it again")

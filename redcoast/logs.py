@@ -53,7 +53,7 @@ class RunLogger:
             if workdir is None:
                 raise ValueError("run_tensorboard=True needs a workdir to write events to. "
                                  "Fix: pass workdir=... to Deployer.")
-            from .tensorboard import ScalarWriter  # synchronous: flushed scalars are on disk
+            from .store.tensorboard_events import ScalarWriter  # synchronous: flushed scalars are on disk
             self._tb = ScalarWriter(os.path.join(workdir, "tensorboard"))
         if wandb_init_kwargs is not None:
             try:

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 
 from .errors import ConfigError
 from .export import SEPARATOR, save_params
-from .folder_files import file_in_folder, read_json_object
+from .store.folder_files import file_in_folder, read_json_object
 from .validate import tree_keys
 
 # Attention query and value projections of redcoast.models (Llama/OPT q_proj, v_proj; BERT
@@ -541,7 +541,7 @@ def _need(tensors, names, directory):
 
 def read_safetensors(path, fix):
     """All tensors of the safetensors file ``path`` (numpy), or a clear error naming it."""
-    from .safetensors_check import load_safetensors
+    from .store.safetensors_check import load_safetensors
 
     return load_safetensors(path, fix)
 

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import placement, validate
+from . import validate
 from .data import BatchMaker, is_sequence, padded_batches, prefetch
 from .errors import DataError
-from .host import to_host
-from .launch import heartbeat
+from .multihost import placement
+from .multihost.heartbeat import heartbeat
+from .multihost.host import to_host
 from .sharding.context import laid_out_for
 
 

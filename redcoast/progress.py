@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .checkpoint import key_from_json, key_to_json
+from .store.checkpoint import key_from_json, key_to_json
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,27 +11,27 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import validate
-from .abstract import placed
-from .actions import fit_actions
 from .callbacks import Callback, History
-from .batch_diagnosis import nan_findings
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
 from .errors import DATA_CAUSES, ConfigError, NonFiniteLossError
-from .evaluation import EvalRun, check_eval_loss, first_eval_batch
 from .export import save_params
-from .fingerprint import check_fingerprint, fingerprint
-from .fit_run import Evaluation, FitRun, Schedule, epochs_of
-from .initial_state import initial_state, with_opt_state, with_params
-from .host import to_host
-from .in_flight import InFlight
-from .launch import heartbeat
-from .fsdp_cost import state_fills_a_device
-from .layout import BY_COST, Candidate, Recipe, build_layout, lower_train_step
-from .layout_check import check_or_raise, first_rows
-from .layout_choice import batches_like, choose_run_layout, moved_to
+from .layout.abstract import placed
+from .layout.check import check_or_raise, first_rows
+from .layout.choice import batches_like, choose_run_layout, moved_to
+from .layout.fsdp_cost import state_fills_a_device
+from .layout.layout import BY_COST, Candidate, Recipe, build_layout, lower_train_step
+from .loop.actions import fit_actions
+from .loop.batch_diagnosis import nan_findings
+from .loop.evaluation import EvalRun, check_eval_loss, first_eval_batch
+from .loop.fit_run import Evaluation, FitRun, Schedule, epochs_of
+from .loop.in_flight import InFlight
+from .loop.initial_state import initial_state, with_opt_state, with_params
+from .loop.step_meter import LogWindow, StepMeter
+from .multihost.heartbeat import heartbeat
+from .multihost.host import to_host
 from .predictor import Predictor
 from .progress import Progress, checkpoint_meta, examples_trained, saved_part
-from .step_meter import LogWindow, StepMeter
+from .store.fingerprint import check_fingerprint, fingerprint
 
 
 class Trainer:
@@ -45,7 +45,7 @@ class Trainer:
     data-parallel axis (ZeRO-3), so each device holds about 1/device_count of them; ``fsdp=False``
     keeps one copy per data shard; None (the default) splits the tensors whose gathers cost the
     step less than 2% of its estimated time, largest first, and all of them where the state would
-    fill half a device (redcoast/fsdp_cost.py; decided at the first batch without compiling).
+    fill half a device (redcoast/layout/fsdp_cost.py; decided at the first batch without compiling).
     ``fuse_matmuls=True`` (the default with the built-in step) runs sibling matmuls (Q/K/V,
     gate/up) of a split model as one, so the step moves Megatron-LM's bytes between model shards.
     ``trainer.layout`` says what was chosen and why.
@@ -249,7 +249,7 @@ class Trainer:
         """The compiled training step for global batches shaped like ``example_batch`` (a dict
         as ``collate_fn`` returns, with the micro-batch axis first when accumulating): read its
         ``memory_analysis()`` or ``cost_analysis()``, or its collectives with
-        ``redcoast.comms.collective_report``. Fixes the sharding plan, as the first batch would."""
+        ``redcoast.layout.comms.collective_report``. Fixes the sharding plan, as the first batch would."""
         micro = self._settled_micro_batch(example_batch)  # first: it may change the layout
         return lower_train_step(self.layout, self._state, micro, self.accumulate_grad_batches,
                                 self._progress.train_key).compile()
@@ -265,7 +265,7 @@ class Trainer:
         """What one update of batches shaped like ``example_batch`` (as for
         :meth:`compile_train_step`) processes and costs, before any run: its examples, tokens,
         matrix-product FLOPs per device counted in the step's trace (scans times their length,
-        remat's recomputation included; redcoast/flops.py) and the device's peak, MFU's terms
+        remat's recomputation included; redcoast/layout/flops.py) and the device's peak, MFU's terms
         (a ``StepCost``). Fixes the sharding plan, as the first batch would."""
         k = self.accumulate_grad_batches
         micro = self._settled_micro_batch(example_batch)
@@ -505,8 +505,8 @@ class Trainer:
         the loss, metrics and gradients of the first ``per_device_batch_size`` x data shards
         of ``examples`` (a sequence), computed as the training step computes them and by
         ``loss_fn`` as written on one device of this process (the model must fit it). Returns a
-        :class:`~redcoast.layout_check.LayoutCheck` naming the worst leaf; raises
-        :class:`~redcoast.layout_check.LayoutCheckError` where an error is above ``rtol``
+        :class:`~redcoast.layout.check.LayoutCheck` naming the worst leaf; raises
+        :class:`~redcoast.layout.check.LayoutCheckError` where an error is above ``rtol``
         (default 1e-4 in float32 compute, 5e-2 in 16-bit), or above 10x the change one rounding
         of the parameters makes to the one-device gradients where that is more. Nothing is
         trained."""

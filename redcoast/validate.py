@@ -53,7 +53,7 @@ def fit_args(per_device_batch_size, n_epochs, eval_examples, eval_per_device_bat
              save_every_n_steps, save_every_k_epochs, keep_last_n_ckpts, log_every_n_steps,
              train_examples, max_steps=None, eval_every_n_steps=None):
     """Every argument of ``Trainer.fit`` that a typo can make wrong, checked before any work."""
-    from .checkpoint import check_keep_last_n
+    from .store.checkpoint import check_keep_last_n
 
     positive_int("per_device_batch_size", per_device_batch_size)
     if max_steps is not None:

@@ -5,7 +5,7 @@ import os
 from redcoast.simulate import simulate_cpu_devices
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# redcoast's per-user cache (compiled programs, chosen layouts: redcoast/user_cache.py) stays
+# redcoast's per-user cache (compiled programs, chosen layouts: redcoast/store/user_cache.py) stays
 # out of ~/.cache in tests; tests/test_user_cache.py turns it on where it is the subject
 os.environ.setdefault("REDCOAST_CACHE", "off")
 simulate_cpu_devices(8)

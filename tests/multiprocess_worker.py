@@ -22,7 +22,7 @@ OUT_DIR/gqa_{id}.npz.
 message to OUT_DIR/nan_{id}.txt.
 
 ``moves``: move 40 arrays spread over both processes between two device orders 30 times with
-``redcoast.placement.device_put``, and write their sums to OUT_DIR/moves_{id}.npz.
+``redcoast.multihost.placement.device_put``, and write their sums to OUT_DIR/moves_{id}.npz.
 
 ``merge``: train LoRA adapters with FSDP on 2 model shards (the adapters sharded over both
 processes), then merge them into the base outside the step 20 times; write the base, the
@@ -60,7 +60,7 @@ def ckpt_trainer(workdir):
 def flat_host(tree):
     """``tree``'s arrays, complete on every process, as numpy arrays by path ("['a']['b']")."""
     import jax
-    from redcoast.host import to_host
+    from redcoast.multihost.host import to_host
 
     flat = jax.tree_util.tree_leaves_with_path(to_host(tree))
     return {jax.tree_util.keystr(p): x for p, x in flat}
@@ -74,7 +74,7 @@ def host_state(trainer):
 
 def checkpoint_round_trip(out_dir):
     import jax
-    from redcoast.checkpoint import CheckpointStore
+    from redcoast.store.checkpoint import CheckpointStore
     from tiny_lm import make_examples
 
     workdir = os.path.join(out_dir, "workdir")
@@ -127,8 +127,9 @@ def nan_run(out_dir):
 def moves_run(out_dir, rounds=30):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from redcoast import Deployer, placement
-    from redcoast.host import to_host
+    from redcoast import Deployer
+    from redcoast.multihost import placement
+    from redcoast.multihost.host import to_host
 
     Deployer(jax_seed=0, verbose=False)  # joins the run (before any JAX call)
     devices = np.array(jax.devices())

@@ -70,7 +70,7 @@ def main():
         simulate_cpu_devices(8)
     import numpy as np
     from redcoast.export import flat_tensors
-    from redcoast.host import to_host
+    from redcoast.multihost.host import to_host
     collated = []
     trainer = train(workdir, slow, deployer_kwargs=explicit, collated=collated)
     np.savez(out, collated=np.array(collated), **flat_tensors(to_host(trainer.params)))

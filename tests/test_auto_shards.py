@@ -4,7 +4,7 @@ import optax
 import pytest
 
 from redcoast import ConfigError, Deployer, Trainer
-from redcoast.cost_model import TIE
+from redcoast.layout.cost_model import TIE
 from tiny_lm import assert_trees_close, collate_fn, loss_fn, make_examples, make_model
 
 

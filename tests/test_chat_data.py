@@ -1,13 +1,13 @@
-"""Conversations as training sequences (redcoast/chat_data.py): the assistant's tokens, found
+"""Conversations as training sequences (redcoast/text/chat_data.py): the assistant's tokens, found
 through the chat template, against the assistant's own text."""
 
 import numpy as np
 import pytest
 
-from redcoast.chat_data import tokenize_conversation
+from redcoast.text.chat_data import tokenize_conversation
 from redcoast.errors import DataError
 from redcoast.models.chat_template import ChatTemplate
-from redcoast.packing import pack_sequences, pad_sequences
+from redcoast.text.packing import pack_sequences, pad_sequences
 
 pytest.importorskip("jinja2")
 tokenizers = pytest.importorskip("tokenizers")

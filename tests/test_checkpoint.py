@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from redcoast import ConfigError, Deployer, Trainer
-from redcoast.checkpoint import CheckpointStore
+from redcoast.store.checkpoint import CheckpointStore
 from tiny_lm import TinyLM, collate_fn, loss_fn, make_examples, make_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -231,7 +231,7 @@ def test_export_onto_a_directory_is_a_clear_error_and_leaves_nothing(tmp_path):
 
 
 def test_a_failed_export_leaves_no_temporary_file(tmp_path):
-    from redcoast.tensor_files import Deferred, entry, write_safetensors
+    from redcoast.store.tensor_files import Deferred, entry, write_safetensors
 
     def fails():
         raise OSError("disk full")
@@ -281,7 +281,7 @@ def test_small_replicated_arrays_are_written_whole_and_large_ones_in_replica_sli
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from redcoast.checkpoint import REPLICA_SLICE_MIN_BYTES
+    from redcoast.store.checkpoint import REPLICA_SLICE_MIN_BYTES
 
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "mp"))
     replicated = NamedSharding(mesh, P())

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from redcoast.comms import collective_report, megatron_ideal, per_layer
+from redcoast.layout.comms import collective_report, megatron_ideal, per_layer
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_async_tuple_iota_and_mesh_forms_of_the_text():
 
 def test_mesh_groups_with_permuted_device_ids():
     # newer XLA prints sub-axis groups over a permuted device order (seen with grouped-query K/V)
-    from redcoast.comms import _classify, _parse_groups
+    from redcoast.layout.comms import _classify, _parse_groups
     line = ("%all-gather.5 = f32[32,2,4]{2,0,1} all-gather(%f), channel_id=73, replica_groups="
             "mesh['axis_0'=1,'axis_1'=2,'axis_2'=1,'axis_3'=4], device_ids=([2,2,2]T(1,0,2)) "
             "{'axis_1'}, dimensions={1}, use_global_device_ids=true")
@@ -131,7 +131,7 @@ def test_mesh_groups_with_permuted_device_ids():
 def test_mesh_groups_over_redcoasts_grouped_axis_names():
     # jax 0.12 prints the mesh of a sharding over grouped axes with their own names, which hold
     # ':' and '/' (K/V kept by groups of shards: the 'mp' devices viewed as groups x within)
-    from redcoast.comms import _classify, _parse_groups
+    from redcoast.layout.comms import _classify, _parse_groups
     mesh = "replica_groups=mesh['dp'=2,'mp:2'=2,'mp:2/within'=2] "
     line = ("%all-reduce.7 = f32[4,8]{1,0} all-reduce(%w), channel_id=15, " + mesh
             + "{GROUPS}, use_global_device_ids=true").replace
@@ -147,7 +147,7 @@ def test_mesh_groups_over_shardys_sub_axes():
     # 'mp':(2)2 = of 'mp' (4 = 2 x 2, major first) the factor of size 2 after one of size 2
     # (seen on a GQA Llama, 2 KV heads on 4 model shards; it stopped the layout choice with a
     # ValueError before this was parsed)
-    from redcoast.comms import _classify, _parse_groups
+    from redcoast.layout.comms import _classify, _parse_groups
     line = ("%all-reduce.39 = (f32[2,16,1,8]{3,2,1,0}, f32[2,16,1,8]{3,2,1,0}) all-reduce("
             "%a, %b), channel_id=14, replica_groups=mesh['dp'=2,'mp'=4] {GROUPS}, "
             "use_global_device_ids=true, to_apply=%region_23.24.clone").replace

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from redcoast import compiler_options
+from redcoast.layout import compiler_options
 
 T, HEADS, HEAD_DIM, LAYERS = 256, 4, 16, 8
 WIDTH = HEADS * HEAD_DIM

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from cnn_architectures import CNNS, block_activations, collate, convnext, examples, regnet, resnet
 from redcoast import Deployer, Trainer
 from redcoast.sharding.paths import path_to_str, path_to_tuple
-from redcoast.comms import megatron_conv_ideal, per_layer
+from redcoast.layout.comms import megatron_conv_ideal, per_layer
 from redcoast.sharding.dataflow import dataflow_placements
 
 COL, ROW, REP = P(None, None, None, "mp"), P(None, None, "mp"), P()

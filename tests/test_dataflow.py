@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from redcoast.comms import megatron_ideal, per_layer
+from redcoast.layout.comms import megatron_ideal, per_layer
 from redcoast.sharding.dataflow import DataflowError, dataflow_placements
 from redcoast.sharding.fusion import fuse_sibling_matmuls
 from redcoast.sharding.grouped_axes import named_sharding

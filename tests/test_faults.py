@@ -19,8 +19,8 @@ import pytest
 
 from redcoast import (CheckpointError, ConfigError, Deployer, EvaluationError, LossError,
                       NonFiniteLossError, Trainer)
-from redcoast.checkpoint import CheckpointStore
-from redcoast.workdir import LOCK_NAME, STALE_AFTER_S, WorkdirLock, absolute
+from redcoast.store.checkpoint import CheckpointStore
+from redcoast.store.workdir import LOCK_NAME, STALE_AFTER_S, WorkdirLock, absolute
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -266,7 +266,7 @@ def test_after_a_nan_loss_params_are_the_last_finite_ones(tmp_path):
 def launch(args, tmp_path, script, timeout=60):
     (tmp_path / "job.py").write_text(textwrap.dedent(script))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "redcoast.launch", *args, str(tmp_path / "job.py")],
+    proc = subprocess.run([sys.executable, "-m", "redcoast.cli.launch_command", *args, str(tmp_path / "job.py")],
                           env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -477,7 +477,7 @@ def test_save_pretrained_streams_one_tensor_at_a_time_and_keeps_bf16(tmp_path):
     from safetensors import safe_open
 
     from redcoast.models.hf import save_folder
-    from redcoast.tensor_files import Deferred
+    from redcoast.store.tensor_files import Deferred
 
     alive, peak = [0], [0]
 

@@ -1,4 +1,4 @@
-"""Model FLOPs counted in the trace (redcoast/flops.py), against independent counts: XLA:CPU's
+"""Model FLOPs counted in the trace (redcoast/layout/flops.py), against independent counts: XLA:CPU's
 cost analysis of the same program, PaLM's formula for a transformer's training step, and the
 same program unsharded."""
 
@@ -10,10 +10,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redcoast import Deployer, Trainer
-from redcoast.flops import traced_flops
+from redcoast.layout.flops import traced_flops
 from redcoast.models import Model
 from redcoast.models.llama import LlamaConfig, LlamaForCausalLM
-from redcoast.throughput import compiled_flops
+from redcoast.layout.throughput import compiled_flops
 
 
 def xla_flops(fn, *args):

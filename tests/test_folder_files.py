@@ -1,4 +1,4 @@
-"""A folder's files stay inside it (redcoast/folder_files.py): adapter and model folders whose
+"""A folder's files stay inside it (redcoast/store/folder_files.py): adapter and model folders whose
 files link elsewhere on the machine are refused with the file and what named it; Hugging
 Face's hub cache (snapshots linking into the repository's blobs) still loads."""
 

@@ -224,7 +224,7 @@ def test_fsdp_adds_only_weight_gathers_to_the_compiled_step():
         logits = state.apply_fn({"params": p}, batch["ids"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"]).mean()
 
-    from redcoast.comms import collective_report
+    from redcoast.layout.comms import collective_report
     reports = {}
     for fsdp in (False, True):
         deployer = Deployer(n_model_shards=2, verbose=False)
@@ -247,7 +247,7 @@ def test_fsdp_adds_only_weight_gathers_to_the_compiled_step():
 
 
 def test_layout_choice_takes_the_cheapest_that_fits_and_prefers_memory_on_a_tie():
-    from redcoast.cost_model import Estimate, choose
+    from redcoast.layout.cost_model import Estimate, choose
 
     def est(mib, seconds):
         return Estimate(mib * 2**20, 0.0, 0.0, 0, 0.0, seconds)

@@ -1,4 +1,4 @@
-"""FSDP by cost (redcoast/fsdp_cost.py): the largest tensors split over 'dp' first, as long as
+"""FSDP by cost (redcoast/layout/fsdp_cost.py): the largest tensors split over 'dp' first, as long as
 their gathers stay within 2% of the step's estimated time; all of them where memory is tight."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from redcoast import Deployer, Trainer
-from redcoast.fsdp_cost import choose_fsdp
-from redcoast.layout_choice import batches_like
+from redcoast.layout.fsdp_cost import choose_fsdp
+from redcoast.layout.choice import batches_like
 from redcoast.sharding.rules import Placement
 
 F32 = np.float32
@@ -84,7 +84,7 @@ def test_every_process_takes_process_0s_choice(monkeypatch):
     import jax
     from jax.experimental import multihost_utils
 
-    from redcoast.fsdp_cost import FsdpChoice, agreed_by_all_processes
+    from redcoast.layout.fsdp_cost import FsdpChoice, agreed_by_all_processes
 
     paths = [("a",), ("b",), ("c",)]
     mine = FsdpChoice(frozenset({("c",)}), "FSDP by cost: 2 of 3")

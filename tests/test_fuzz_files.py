@@ -112,7 +112,7 @@ def write_safetensors(path):
 def load_safetensors(path):
     """What redcoast makes of a safetensors file (its shared validated open): metadata and
     every tensor."""
-    from redcoast.safetensors_check import open_safetensors
+    from redcoast.store.safetensors_check import open_safetensors
 
     with open_safetensors(path, "write it again") as f:
         return f.metadata(), {name: f.get_tensor(name) for name in f.keys()}

@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from redcoast.comms import collective_report
+from redcoast.layout.comms import collective_report
 from redcoast.sharding.group_matmuls import conv_by_group_matmuls, split_groups_pin
 
 # (dimension numbers, input shape, kernel shape, strides, padding, lhs / rhs dilation, groups)

@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import redcoast.steps
+import redcoast.layout.steps
 from redcoast import Deployer, LayoutCheckError, Trainer
 from redcoast.sharding.grouped_conv import grouped_convs, guard_grouped_convs
 
@@ -148,7 +148,7 @@ def test_check_layout_finds_the_layout_without_the_guard(monkeypatch):
     fixed the defect on this jax: the guard may then be kept only for older versions. The
     kernels are kept replicated by rule, so that the convolutions' inputs are replicated over
     'mp', where the defect shows (with the plan's channel split they are right, see below)."""
-    monkeypatch.setattr(redcoast.steps, "guard_grouped_convs", lambda fn, mesh, **kw: fn)
+    monkeypatch.setattr(redcoast.layout.steps, "guard_grouped_convs", lambda fn, mesh, **kw: fn)
     model, params, examples, collate, loss_fn = _convnet_setup()
     trainer = Trainer(Deployer(jax_seed=0, n_model_shards=4, verbose=False), collate, model.apply,
                       loss_fn, params, optax.sgd(0.5), params_sharding_rules=[((".*",), P())])

@@ -17,10 +17,12 @@ import tomllib
 
 import pytest
 
-from redcoast import distributed
-from redcoast.distributed import Cluster, detect, first_slurm_host
+from redcoast.multihost import distributed
+from redcoast.multihost.distributed import Cluster, detect, first_slurm_host
 from redcoast.errors import ConfigError
-from redcoast.launch import _Output, child_env, cli, describe_exit, free_port, parse_args
+from redcoast.cli.launch_command import parse_args
+from redcoast.cli.main import cli
+from redcoast.multihost.launcher import _Output, child_env, describe_exit, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -163,7 +165,7 @@ def test_command_line(tmp_path, capsys):
         assert needle in capsys.readouterr().err
     assert cli(["frobnicate"]) == 2 and "redcoast launch" in capsys.readouterr().err
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        assert tomllib.load(f)["project"]["scripts"]["redcoast"] == "redcoast.launch:cli"
+        assert tomllib.load(f)["project"]["scripts"]["redcoast"] == "redcoast.cli.main:cli"
     assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
     assert describe_exit(3) == "exited with code 3"
 
@@ -304,7 +306,7 @@ def test_a_missing_peer_times_out_with_the_fix(tmp_path):
 
 
 def launch(args, cwd, timeout=120, **extra_env):
-    return subprocess.Popen([sys.executable, "-m", "redcoast.launch"] + args, cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "redcoast.cli.launch_command"] + args, cwd=cwd,
                             env=env_for_children(**extra_env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -329,7 +331,7 @@ def test_launch_relays_a_100_mb_line_without_a_newline_in_seconds(tmp_path):
     """))
     start = time.monotonic()
     with open(tmp_path / "out", "wb") as out:
-        proc = subprocess.run([sys.executable, "-m", "redcoast.launch", "-n", "2", "flood.py"],
+        proc = subprocess.run([sys.executable, "-m", "redcoast.cli.launch_command", "-n", "2", "flood.py"],
                               cwd=tmp_path, env=env_for_children(), stdout=out,
                               stderr=subprocess.PIPE, timeout=120)
     took = time.monotonic() - start

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from redcoast.layout import BY_COST, Candidate, Layout
+from redcoast.layout.layout import BY_COST, Candidate, Layout
 
 
 def described(n_data_shards, n_model_shards, fsdp, fuse_matmuls=True):

@@ -6,7 +6,7 @@ import json
 import optax
 import pytest
 
-import redcoast.layout
+import redcoast.layout.layout
 from redcoast import Deployer, Trainer
 from tiny_lm import collate_fn, loss_fn, make_examples, make_model
 
@@ -15,8 +15,8 @@ from tiny_lm import collate_fn, loss_fn, make_examples, make_model
 def compilations(monkeypatch):
     """How many candidate steps choose_layout compiled to compare them."""
     count = []
-    lower = redcoast.layout.lower_train_step
-    monkeypatch.setattr(redcoast.layout, "lower_train_step",
+    lower = redcoast.layout.layout.lower_train_step
+    monkeypatch.setattr(redcoast.layout.layout, "lower_train_step",
                         lambda *a, **k: count.append(1) or lower(*a, **k))
     return count
 
@@ -55,8 +55,8 @@ def test_the_key_holds_shapes_devices_and_options_and_bad_records_are_ignored(tm
     import jax
     import numpy as np
 
-    from redcoast.layout import Candidate
-    from redcoast.layout_memory import LayoutMemory
+    from redcoast.layout.layout import Candidate
+    from redcoast.layout.remembered import LayoutMemory
 
     params = {"w": jax.ShapeDtypeStruct((4, 8), np.float32)}
     batch = {"ids": np.zeros((8, 12), np.int32)}
@@ -81,8 +81,8 @@ def test_the_per_user_cache_remembers_across_workdirs(tmp_path):
     import jax
     import numpy as np
 
-    from redcoast.layout import Candidate
-    from redcoast.layout_memory import LayoutMemory
+    from redcoast.layout.layout import Candidate
+    from redcoast.layout.remembered import LayoutMemory
 
     params = {"w": jax.ShapeDtypeStruct((4, 8), np.float32)}
     batch = {"ids": np.zeros((8, 12), np.int32)}
@@ -106,9 +106,9 @@ def test_the_per_user_cache_remembers_across_workdirs(tmp_path):
 
 @pytest.mark.slow  # 18 s: two runs of a Trainer
 def test_a_new_workdir_takes_the_choice_from_the_per_user_cache(tmp_path, compilations, monkeypatch):
-    import redcoast.user_cache
+    import redcoast.store.user_cache
 
-    monkeypatch.setattr(redcoast.user_cache, "layouts_directory", lambda: str(tmp_path / "cache"))
+    monkeypatch.setattr(redcoast.store.user_cache, "layouts_directory", lambda: str(tmp_path / "cache"))
     first = run(tmp_path / "a")
     compared = len(compilations)
     assert compared >= 2

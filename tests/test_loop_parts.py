@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from redcoast.actions import (EvaluateAtEpochEnd, EvaluateEveryNSteps, SaveEveryKEpochs,
+from redcoast.loop.actions import (EvaluateAtEpochEnd, EvaluateEveryNSteps, SaveEveryKEpochs,
                               SaveEveryNSteps, SaveLast, StopAtMaxSteps, StopOnSignal, fit_actions)
 from redcoast.data import EpochData, Stream, epoch_order
 from redcoast.errors import DataError

@@ -385,7 +385,7 @@ def test_rank_above_the_kernel_dimensions_is_refused():
 
 
 def test_fingerprint_is_the_same_on_any_mesh_and_tells_bases_apart():
-    from redcoast.fingerprint import fingerprint
+    from redcoast.store.fingerprint import fingerprint
     _, base = _model()
     one = fingerprint(base)
     mesh = jax.make_mesh((4, 2), ("dp", "mp"))
@@ -425,7 +425,7 @@ def test_resuming_adapters_on_another_base_is_a_clear_error(tmp_path):
         Trainer(Deployer(n_model_shards=1, verbose=False), _collate, _model()[0].apply,
                 lambda *a: 0.0, lora.init(base), optax.adam(1e-2), fsdp=False,
                 fuse_matmuls=False).restore_checkpoint(
-            __import__("redcoast.checkpoint", fromlist=["x"]).CheckpointStore(
+            __import__("redcoast.store.checkpoint", fromlist=["x"]).CheckpointStore(
                 str(tmp_path / "checkpoints" / "steps")))
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "steps").iterdir()) == saved
     # (the same base resumes: test_checkpoints_hold_the_adapters_and_resume_with_the_base_given_again)

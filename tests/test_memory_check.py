@@ -79,7 +79,7 @@ NOT_REFUSALS = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8589
     (TPU_REFUSAL_LIBTPU_0_0_42, 38.64, 30.75), (TPU_REFUSAL_LIBTPU_0_0_50, 64.00, 30.75),
     (TPU_REFUSAL_USED_OF, 49.34, 32.00)])
 def test_each_compilers_refusal_is_read_as_the_bytes_it_asked_for(message, needed, available):
-    from redcoast.memory_check import compiler_refusal
+    from redcoast.layout.memory_check import compiler_refusal
     refusal = compiler_refusal(jax.errors.JaxRuntimeError(message))
     assert (refusal.needed_bytes, refusal.available_bytes) == (int(needed * 2**30),
                                                                 int(available * 2**30))
@@ -88,12 +88,12 @@ def test_each_compilers_refusal_is_read_as_the_bytes_it_asked_for(message, neede
 
 @pytest.mark.parametrize("message", NOT_REFUSALS)
 def test_other_compiler_errors_are_no_refusal(message):
-    from redcoast.memory_check import compiler_refusal
+    from redcoast.layout.memory_check import compiler_refusal
     assert compiler_refusal(jax.errors.JaxRuntimeError(message)) is None
 
 
 def test_a_compiler_that_refuses_the_step_stops_the_run_with_the_memory_explained(monkeypatch):
-    from redcoast import step_meter
+    from redcoast.loop import step_meter
 
     def refuse(self, state, batch, key):  # what the TPU compiler does instead of returning
         raise jax.errors.JaxRuntimeError(TPU_REFUSAL_LIBTPU_0_0_42)

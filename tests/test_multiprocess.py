@@ -21,7 +21,7 @@ import multiprocess_worker
 import run_tiny
 import tiny_lm
 from redcoast import Deployer
-from redcoast.checkpoint import CheckpointStore
+from redcoast.store.checkpoint import CheckpointStore
 from tiny_lm import make_examples
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,7 +48,7 @@ def child_env():
 def launch_worker(out_dir, mode, timeout):
     """multiprocess_worker.py in ``mode`` on 2 processes x 4 devices by ``redcoast launch``;
     fails with the end of their output unless both succeed."""
-    cmd = [sys.executable, "-m", "redcoast.launch", "-n", "2", "--local-devices", "4", WORKER,
+    cmd = [sys.executable, "-m", "redcoast.cli.launch_command", "-n", "2", "--local-devices", "4", WORKER,
            str(out_dir), mode]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -127,7 +127,7 @@ def test_several_processes_match_one(tmp_path, single_process, how, shard_counts
 
 def run_launched(out_dir, n, n_local, shard_counts):
     """`redcoast launch -n 2 --local-devices 4`: unchanged script, logs from process 0 only."""
-    cmd = [sys.executable, "-m", "redcoast.launch", "-n", str(n), "--local-devices", str(n_local),
+    cmd = [sys.executable, "-m", "redcoast.cli.launch_command", "-n", str(n), "--local-devices", str(n_local),
            WORKER, str(out_dir), ",".join(map(str, shard_counts))]
     env = child_env()
     env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"  # the launcher strips it
@@ -254,7 +254,7 @@ def test_merging_lora_adapters_that_span_processes_outside_the_step(tmp_path):
 @pytest.mark.slow
 def test_a_host_far_ahead_of_the_devices_never_deadlocks(tmp_path):
     # 200 updates read once, and evaluations of 40 batches read at their end: with every step
-    # left in flight, two processes hung 3 of 3 runs on jax 0.10.2 (redcoast/in_flight.py)
+    # left in flight, two processes hung 3 of 3 runs on jax 0.10.2 (redcoast/loop/in_flight.py)
     launch_worker(str(tmp_path), "lead", timeout=150)
     runs = [dict(np.load(tmp_path / f"lead_{i}.npz")) for i in range(2)]
     assert int(runs[0]["step"]) == 200

@@ -1,4 +1,4 @@
-"""Sequence packing (redcoast/packing.py) and packed rows in Llama: each packed sequence computes
+"""Sequence packing (redcoast/text/packing.py) and packed rows in Llama: each packed sequence computes
 exactly as it does alone, so a packed loss is the padded loss."""
 
 import jax
@@ -11,7 +11,7 @@ from redcoast.errors import ConfigError, DataError
 from redcoast.models import Model, llama
 from redcoast.models.layers import segment_positions
 from redcoast.models.pretrained import model_from_config
-from redcoast.packing import pack_sequences, packed_fraction
+from redcoast.text.packing import pack_sequences, packed_fraction
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20, 21], [22],
              [23, 24, 25, 26]]

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from architectures import B, F, H, NH, T, V, _Init, _tokens, attend, cross_entropy, gpt2, merge, rms_norm
-from redcoast.comms import megatron_ideal, per_layer
+from redcoast.layout.comms import megatron_ideal, per_layer
 from redcoast.errors import ConfigError
 from redcoast.sharding.dataflow import dataflow_placements
 from redcoast.sharding.grouped_axes import named_sharding
@@ -255,7 +255,7 @@ def test_the_trainer_splits_gpt2s_fused_c_attn_by_heads_at_megatron_traffic():
 
 @pytest.mark.slow  # two trainers compiled, a checkpoint written and restored: about 10 s of CPU
 def test_the_trainer_presents_the_users_layout_in_params_checkpoints_and_exports(tmp_path):
-    from redcoast.checkpoint import CheckpointStore
+    from redcoast.store.checkpoint import CheckpointStore
     from safetensors.numpy import load_file
     arch, sharded = _gpt2_trainer(1, N, str(tmp_path))
     rows = [{k: v[i] for k, v in arch.batch.items()} for i in range(B)]

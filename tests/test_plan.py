@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from redcoast.plan import PlanError, parse_bytes, plan
+from redcoast.cli.plan_command import PlanError, parse_bytes, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -84,8 +84,8 @@ def test_a_plan_with_layers_scanned_holds_the_same_state(tiny_config):
 
 def test_a_family_that_runs_its_layers_unrolled_cannot_plan_them_scanned(tiny_config,
                                                                           monkeypatch):
-    import redcoast.plan
-    monkeypatch.setattr(redcoast.plan, "_scannable", lambda model_type: False)
+    import redcoast.cli.plan_command
+    monkeypatch.setattr(redcoast.cli.plan_command, "_scannable", lambda model_type: False)
     with pytest.raises(PlanError, match="runs its layers unrolled"):
         plan(tiny_config, devices=8, device_memory="64MiB", seq_len=32, scan_layers=True)
 
@@ -181,7 +181,7 @@ def test_a_tpu_slice_is_planned_by_the_tpu_compiler_without_a_tpu(tiny_config):
 
 
 def test_a_target_that_cannot_be_planned_says_why_and_what_to_ask_instead(tiny_config):
-    from redcoast.plan import PlanError
+    from redcoast.cli.plan_command import PlanError
     # a TPU v4 host has 4 chips: 8 chips on 1 host is no TPU v4 slice
     with pytest.raises(PlanError, match="4 chips a host"):
         plan(tiny_config, devices=8, hosts=1, device_memory="32GiB", seq_len=32, target="tpu-v4")
@@ -199,7 +199,7 @@ def test_a_trainer_for_a_tpu_slice_compiles_but_will_not_hold_parameters_here():
 
     from redcoast import ConfigError, Deployer, Trainer
     from redcoast.models import model_from_config
-    from redcoast.plan import _target
+    from redcoast.cli.plan_command import _target
     devices, _ = _target("tpu-v4", 8, 2)
     model, abstract = model_from_config(TINY)
     deployer = Deployer(n_model_shards=4, verbose=False, memory_budget_bytes=2**30, devices=devices)
@@ -231,18 +231,18 @@ def test_a_size_is_a_finite_number_with_a_unit():
 @pytest.fixture
 def no_work(monkeypatch):
     """Planning, or simulating devices, fails the test: the arguments must be refused first."""
-    import redcoast.plan
+    import redcoast.cli.plan_command
     import redcoast.simulate
 
     def work(*args, **kwargs):
         raise AssertionError("work started before the arguments were refused")
-    monkeypatch.setattr(redcoast.plan, "plan", work)
+    monkeypatch.setattr(redcoast.cli.plan_command, "plan", work)
     monkeypatch.setattr(redcoast.simulate, "simulate_cpu_devices", work)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 
 
 def refused(argv, capsys):
-    from redcoast.plan import main
+    from redcoast.cli.plan_command import main
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
@@ -316,7 +316,7 @@ def test_the_configs_redcoast_plans_read_without_complaint():
     Hugging Face fills in a default (num_key_value_heads: as many as the attention heads)."""
     import glob
 
-    from redcoast.config_file import check_model_config, read_model_config
+    from redcoast.cli.config_file import check_model_config, read_model_config
     files = glob.glob(os.path.join(ROOT, "benchmarks", "configs", "*.json"))
     assert len(files) >= 10
     for path in files:
@@ -328,7 +328,7 @@ def test_a_gpu_run_in_bfloat16_is_planned_with_a_flash_sized_attention():
     """Where the GPU would run cuDNN's flash kernel (bf16/fp16), the stand-in's step computes
     attention in blocks (O(seq) memory too); float32, TPUs and families without the option keep
     the model's own attention."""
-    from redcoast.plan import planned_attention
+    from redcoast.cli.plan_command import planned_attention
     assert planned_attention("cpu", "bfloat16", "llama") == "blocked"
     assert planned_attention("h100", "float16", "gpt2") == "blocked"
     assert planned_attention("cpu", "float32", "llama") is None
@@ -339,7 +339,7 @@ def test_a_gpu_run_in_bfloat16_is_planned_with_a_flash_sized_attention():
 @pytest.mark.slow  # two plans at 2048 tokens: 8 s here
 def test_blocked_attention_holds_a_block_of_scores_where_xla_holds_them_all(tiny_config,
                                                                             monkeypatch):
-    import redcoast.plan as plan_module
+    import redcoast.cli.plan_command as plan_module
     # 2048 tokens: four blocks of 512 queries
     ask = dict(devices=8, hosts=1, device_memory="1GiB", seq_len=2048, model_shards=4,
                remat=True, scan_layers=False, param_dtype="bfloat16")

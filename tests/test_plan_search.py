@@ -1,4 +1,4 @@
-"""The plan's search (redcoast/plan_search.py): candidates, their estimated step time, the order
+"""The plan's search (redcoast/cli/plan_search.py): candidates, their estimated step time, the order
 they are compiled in, when the search stops, and the suggestions when nothing fits; compile
 results stubbed, so each test takes milliseconds."""
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from redcoast import plan_search
-from redcoast.plan_search import Candidate, ModelShape, Rates, Run, Shortfall
+from redcoast.cli import plan_search
+from redcoast.cli.plan_search import Candidate, ModelShape, Rates, Run, Shortfall
 
 GIB = 2**30
 RATES = Rates(peak_flops=1e15, within=400e9, across=50e9, source="test")

@@ -8,8 +8,8 @@ import os
 import jax
 import pytest
 
-from redcoast import gpu_targets
-from redcoast.plan import TARGETS, PlanError, plan
+from redcoast.cli import gpu_targets
+from redcoast.cli.plan_command import TARGETS, PlanError, plan
 from test_memory_check import TPU_REFUSAL_LIBTPU_0_0_42, TPU_REFUSAL_USED_OF
 from test_plan import TINY
 
@@ -186,7 +186,7 @@ def test_a_process_whose_jax_started_without_the_plugin_says_how_to_start_it():
     check failed then and it never registered; the error says what to set."""
     import subprocess
     import sys
-    code = ("import jax; jax.devices(); from redcoast.plan import _target, PlanError\n"
+    code = ("import jax; jax.devices(); from redcoast.cli.plan_command import _target, PlanError\n"
             "try: _target('h100', 1, 1)\nexcept PlanError as e: print(e)")
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "JAX_PLATFORMS", "XLA_FLAGS")}
@@ -206,7 +206,7 @@ def _too_big_for_one(device):
 
 @needs_cuda_plugin
 def test_the_gpu_compiler_does_not_refuse_a_step_too_big_its_memory_analysis_says_so():
-    from redcoast.plan import _target
+    from redcoast.cli.plan_command import _target
     devices, _ = _target("h100", 1, 1)
     m = _too_big_for_one(devices[0]).compile().memory_analysis()  # warns, does not raise
     assert m.temp_size_in_bytes > gpu_targets.device_memory_bytes("h100")
@@ -222,8 +222,8 @@ def _has_libtpu():
 @pytest.mark.skipif(not _has_libtpu(), reason="libtpu is not installed (CI's steps 1 and 2 "
                     "install it in a separate environment and run this test there)")
 def test_the_tpu_compilers_refusal_is_read_in_this_libtpus_words():
-    from redcoast.memory_check import compiler_refusal
-    from redcoast.plan import _target
+    from redcoast.layout.memory_check import compiler_refusal
+    from redcoast.cli.plan_command import _target
     devices, _ = _target("tpu-v4", 4, 1)
     with pytest.raises(jax.errors.JaxRuntimeError) as refused:
         _too_big_for_one(devices[0]).compile()

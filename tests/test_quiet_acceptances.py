@@ -10,8 +10,8 @@ def _memory_and_record(tmp_path, warnings):
     import jax
     import numpy as np
 
-    from redcoast.layout import BY_COST, Candidate
-    from redcoast.layout_memory import LayoutMemory
+    from redcoast.layout.layout import BY_COST, Candidate
+    from redcoast.layout.remembered import LayoutMemory
 
     params = {"w": jax.ShapeDtypeStruct((4, 8), np.float32)}
     batch = {"ids": np.zeros((8, 12), np.int32)}

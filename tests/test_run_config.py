@@ -1,4 +1,4 @@
-"""A run as data (redcoast/run_config.py): the record round-trips through YAML and JSON, names
+"""A run as data (redcoast/cli/run_config.py): the record round-trips through YAML and JSON, names
 what is wrong in a file or an override, takes overrides, and keeps up with the keywords of
 Deployer, Trainer and fit."""
 
@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 
 from redcoast.deployer import Deployer
 from redcoast.errors import ConfigError
-from redcoast.run_config import (NOT_DATA, DeployerConfig, FitConfig, LoRAConfig, RunConfig,
+from redcoast.cli.run_config import (NOT_DATA, DeployerConfig, FitConfig, LoRAConfig, RunConfig,
                                  TrainerConfig)
 from redcoast.trainer import Trainer
 
@@ -167,13 +167,13 @@ def test_missing_libraries_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "draccus", None)  # import draccus raises ImportError
     with pytest.raises(ConfigError, match=r"needs draccus. Fix: pip install 'redcoast\[train\]'"):
         RunConfig.from_yaml("fit: {n_epochs: 2}")
-    from redcoast.train_cli import main
+    from redcoast.cli.train_command import main
     assert main(["run.yaml"]) == 2
 
 
 def test_the_core_does_not_import_the_record_or_draccus():
-    code = ("import sys, redcoast, redcoast.launch; "
-            "print(sorted(m for m in ('draccus', 'redcoast.run_config') if m in sys.modules))")
+    code = ("import sys, redcoast, redcoast.cli.main, redcoast.cli.launch_command; "
+            "print(sorted(m for m in ('draccus', 'redcoast.cli.run_config') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -1,4 +1,4 @@
-"""A run's record is the run (redcoast/run_checks.py, run_record.py, resume_changes.py): values
+"""A run's record is the run (redcoast/cli/run_checks.py, run_record.py, resume_changes.py): values
 no run can mean are refused before any work; a resume under another record is refused, each
 change named, unless allowed, and then every record is kept; a Python fit resumed with another
 length or schedule says so."""
@@ -10,10 +10,10 @@ import optax
 import pytest
 
 from redcoast import Deployer, Trainer
-from redcoast.run_checks import problems
-from redcoast.run_config import RunConfig
-from redcoast.run_record import Change, Resume, check_resume, keep
-from redcoast.train_cli import main
+from redcoast.cli.run_checks import problems
+from redcoast.cli.run_config import RunConfig
+from redcoast.cli.run_record import Change, Resume, check_resume, keep
+from redcoast.cli.train_command import main
 from test_train_cli import demo_files, tiny_model
 from tiny_lm import collate_fn, loss_fn, make_examples, make_model
 

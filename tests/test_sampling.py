@@ -9,11 +9,11 @@ import pytest
 
 import redcoast
 from redcoast.errors import ConfigError, DataError
-from redcoast.logprobs import sequence_logprobs, token_logprobs
+from redcoast.text.logprobs import sequence_logprobs, token_logprobs
 from redcoast.models import Model, llama
 from redcoast.models.generate import generate, left_pad, split_completions
-from redcoast.packing import pad_sequences
-from redcoast.sampling import Sampler
+from redcoast.text.packing import pad_sequences
+from redcoast.text.sampling import Sampler
 
 PROMPTS = [[1, 17, 45, 9, 80, 33, 5], [1, 60, 72], [1, 88, 21, 54, 3]]
 PAD, N_NEW, WIDTH = 95, 6, 8

@@ -212,7 +212,7 @@ def test_fsdp_gathers_a_stacked_weight_one_layer_at_a_time(monkeypatch):
     Gathered whole where the loss starts, every layer's weights would be held at once; kept
     split into the scan, each iteration gathers its own layer. Two updates equal the unrolled
     model's."""
-    from redcoast import steps
+    from redcoast.layout import steps
     config = llama.LlamaConfig(**MEDIUM, remat=True)
     unrolled, scanned = (Model(llama.LlamaForCausalLM, config),
                          Model(llama.LlamaForCausalLM, dataclasses.replace(config, scan_layers=True)))
@@ -240,7 +240,7 @@ def test_inside_the_scan_the_step_moves_the_unrolled_steps_bytes_over_each_axis(
     along both. Left to the partitioner, the layers' splits spread onto the hidden state (its
     features over all eight devices: 1.7x the bytes along 'mp'; jax 0.11.2's partitioner
     aborted the process)."""
-    from redcoast.comms import collective_report
+    from redcoast.layout.comms import collective_report
     config = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128,
                                  num_attention_heads=8, num_key_value_heads=4)
     unrolled, scanned = (Model(llama.LlamaForCausalLM, config),

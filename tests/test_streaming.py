@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from redcoast import ConfigError, DataError, Deployer, Trainer
-from redcoast.checkpoint import CheckpointStore
+from redcoast.store.checkpoint import CheckpointStore
 import stream_worker
 from stream_worker import noisy_mse, stream
 

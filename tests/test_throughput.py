@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from redcoast import Deployer, Trainer
-from redcoast.throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
+from redcoast.layout.throughput import StepCost, compiled_flops, peak_flops, tokens_per_example
 from tiny_lm import SEQ, collate_fn, loss_fn, make_examples, make_model
 
 
@@ -100,7 +100,7 @@ def test_fit_logs_throughput_mfu_and_the_gradient_norm(tmp_path, accumulate):
 
 
 def test_throughput_logging_pulls_nothing_beyond_the_metrics(monkeypatch):
-    import redcoast.step_meter as step_meter_module
+    import redcoast.loop.step_meter as step_meter_module
     import redcoast.trainer as trainer_module
 
     pulls = []

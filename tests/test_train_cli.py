@@ -16,11 +16,11 @@ import time
 import numpy as np
 import pytest
 
-from redcoast.checkpoint import CheckpointStore
+from redcoast.store.checkpoint import CheckpointStore
 from redcoast.errors import ConfigError
-from redcoast.run_config import RunConfig
-from redcoast.text_task import Tokens, lengths, make_collate_fn, read_records, tokenise
-from redcoast.train_cli import main
+from redcoast.cli.run_config import RunConfig
+from redcoast.cli.text_task import Tokens, lengths, make_collate_fn, read_records, tokenise
+from redcoast.cli.train_command import main
 
 pytest.importorskip("draccus")
 pytest.importorskip("tokenizers")
@@ -178,7 +178,7 @@ def test_conversations_train_on_the_assistants_tokens_and_end_only(tmp_path):
 
 
 def test_a_held_out_share_is_seeded_disjoint_and_whole():
-    from redcoast.text_task import split_records
+    from redcoast.cli.text_task import split_records
 
     records = [{"text": str(i)} for i in range(50)]
     train, held = split_records(records, 0.1, seed=3)
@@ -200,7 +200,7 @@ def test_packed_rows_give_the_loss_of_the_same_examples_padded(tmp_path):
 
     from redcoast.models import model_from_config
     from redcoast.models.chat_template import ChatTemplate
-    from redcoast.text_task import collate_rows, make_loss_fn, packing_rows
+    from redcoast.cli.text_task import collate_rows, make_loss_fn, packing_rows
 
     tokens, fields = char_tokens(tmp_path), ("text", "prompt", "completion")
     examples = (tokenise([{"prompt": "add: 4+5 -> ", "completion": "9"},
@@ -337,7 +337,7 @@ def test_the_command_names_what_is_missing_or_wrong(tmp_path, capsys, monkeypatc
         "one" in capsys.readouterr().err
     assert main([]) == 2 and main(["--help"]) == 0
     assert "redcoast train run.yaml --trainer.fsdp=false" in capsys.readouterr().out
-    from redcoast.launch import cli
+    from redcoast.cli.main import cli
     assert cli(["train", "--help"]) == 0  # the redcoast command's own
     assert "usage: redcoast train run.yaml" in capsys.readouterr().out
 

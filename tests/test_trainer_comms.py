@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from architectures import B, H, T, bert, block_sparse, flax_nnx, gptj_rotary, gqa, moe, plain_jax, scan_stacked
 from redcoast import Deployer, Trainer
-from redcoast.comms import megatron_ideal, per_layer
+from redcoast.layout.comms import megatron_ideal, per_layer
 
 
 def _trainer_step(make_arch, depth, n_model_shards, fuse=True):
@@ -67,7 +67,7 @@ def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projec
     # as written (fusion off, or a train_step_fn of the user's), XLA would gather K/V's gradient
     # repeated per query head within each group (1.375x Megatron's bytes on 4 shards);
     # replicated K/V move 1.125x there
-    from redcoast.steps import make_train_step
+    from redcoast.layout.steps import make_train_step
 
     arch = gqa(n_layers=1)
     loss_fn = lambda rng, state, params, batch, is_training: arch.loss(params, batch)  # noqa: E731
@@ -83,8 +83,8 @@ def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projec
 def test_fusion_is_on_by_default_and_never_costs_more_than_the_step_as_written():
     # fuse_matmuls=None: on with the built-in step, without comparing; the compiled steps with
     # fusion forced on and off show why: the fused one moves fewer bytes between model shards
-    from redcoast.comms import collective_report
-    from redcoast.cost_model import estimate
+    from redcoast.layout.comms import collective_report
+    from redcoast.layout.cost_model import estimate
 
     def trainer(fuse):
         deployer = Deployer(n_model_shards=4, verbose=False)
@@ -103,13 +103,13 @@ def test_fusion_is_on_by_default_and_never_costs_more_than_the_step_as_written()
 
 
 def test_a_loss_the_fusion_cannot_run_trains_as_written_with_a_warning(monkeypatch):
-    import redcoast.steps
+    import redcoast.layout.steps
 
     def broken(fn, plan):
         raise NotImplementedError("an op the rewrite does not know")
 
     want = _trainer_step(plain_jax, 2, 2)[0]  # compiled with fusion
-    monkeypatch.setattr(redcoast.steps, "fuse_sibling_matmuls", broken)
+    monkeypatch.setattr(redcoast.layout.steps, "fuse_sibling_matmuls", broken)
     with pytest.warns(UserWarning, match="could not fuse.*an op the rewrite does not know"):
         got = _trainer_step(plain_jax, 2, 2)[0]
     assert got.as_text() != want.as_text()  # the unfused program, still compiled

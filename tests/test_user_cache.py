@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from redcoast import user_cache
+from redcoast.store import user_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ import pytest
 from architectures import B, H, T, _tokens
 from redcoast import Deployer, Trainer
 from redcoast.sharding.paths import path_to_str, path_to_tuple
-from redcoast.comms import megatron_ideal, per_layer
+from redcoast.layout.comms import megatron_ideal, per_layer
 from written_by_others import PATTERNS, TOP_K
 
 # Patterns the analysis plans right but the compiled step does not yet move Megatron's bytes for

@@ -15,7 +15,7 @@ import pytest
 
 from architectures import B
 from redcoast import Deployer, Trainer
-from redcoast.comms import per_layer
+from redcoast.layout.comms import per_layer
 from redcoast.sharding.paths import path_to_str, path_to_tuple
 from zoo_by_others import ZOO
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from architectures import F, H, NH, T, V, cross_entropy, quick_init
-from redcoast.comms import megatron_ideal
+from redcoast.layout.comms import megatron_ideal
 
 IMAGE, PATCH, CLASSES = 16, 4, 10
 PATCHES = (IMAGE // PATCH) ** 2          # 16 tokens of an image

@@ -7,7 +7,7 @@ without one, on preference pairs the script generates.
 Each pair is an arithmetic question with two answers: the chosen one in the house style
 ("17 + 25 = 42. Done."), the rejected one terse ("42") or chatty ("Sure! The result of 17 + 25
 is 42."). Both are rendered by the model's own chat template and only the answer's tokens are
-scored (``redcoast.chat_data.tokenize_conversation``, ``redcoast.logprobs``).
+scored (``redcoast.text.chat_data.tokenize_conversation``, ``redcoast.text.logprobs``).
 
 The algorithm is all in ``loss_fn``. DPO (Rafailov et al. 2023): the policy is trained, in
 ``params``; the reference is the starting model, in ``frozen_params`` (no gradient, no optimizer
@@ -35,10 +35,10 @@ import numpy as np
 import optax
 
 from redcoast import Deployer, LoRA, Trainer
-from redcoast.chat_data import tokenize_conversation
-from redcoast.logprobs import sequence_logprobs
+from redcoast.text.chat_data import tokenize_conversation
+from redcoast.text.logprobs import sequence_logprobs
 from redcoast.models import from_gguf, packaged_gguf
-from redcoast.packing import pad_sequences
+from redcoast.text.packing import pad_sequences
 from redcoast.simulate import simulate_cpu_devices
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # 8 simulated devices unless you choose others

@@ -7,7 +7,7 @@ answer arithmetic questions right, scored by Python.
 Each iteration (Shao et al. 2024, DeepSeekMath's GRPO):
 
 1. rollouts: several completions per prompt (a group) sampled with the current policy by
-   ``redcoast.sampling.Sampler`` (``redcoast.models.generate`` inside a Predictor's compiled
+   ``redcoast.text.sampling.Sampler`` (``redcoast.models.generate`` inside a Predictor's compiled
    step), so generation runs sharded like the training step (prompts over the data shards,
    weights over the model shards) on the Trainer's own parameters (``trainer.params``: no
    copy, no trip to the host); rows stop at EOS;
@@ -39,11 +39,11 @@ import numpy as np
 import optax
 
 from redcoast import Deployer, LoRA, Trainer
-from redcoast.chat_data import tokenize_conversation
-from redcoast.logprobs import sequence_logprobs, token_logprobs
+from redcoast.text.chat_data import tokenize_conversation
+from redcoast.text.logprobs import sequence_logprobs, token_logprobs
 from redcoast.models import from_gguf, packaged_gguf
-from redcoast.packing import pad_sequences
-from redcoast.sampling import Sampler
+from redcoast.text.packing import pad_sequences
+from redcoast.text.sampling import Sampler
 from redcoast.simulate import simulate_cpu_devices
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # 8 simulated devices unless you choose others

@@ -7,14 +7,14 @@ style for arithmetic conversations.
 The conversations are generated (one to four arithmetic questions, each answered in a fixed
 style, with or without a system prompt), rendered by the model's own chat template from its
 GGUF file, and tokenized with a mask over the assistant's tokens
-(``redcoast.chat_data.tokenize_conversation``): the loss covers what the assistant says only.
+(``redcoast.text.chat_data.tokenize_conversation``): the loss covers what the assistant says only.
 The same conversations are trained twice, from the same weights, for the same epochs and
 about the same conversations per update (so the same number of updates), on 2 model shards x 4
 data shards:
 
-- padded: one conversation per row, padded to the longest (``redcoast.packing.pad_sequences``);
+- padded: one conversation per row, padded to the longest (``redcoast.text.packing.pad_sequences``);
 - packed: whole conversations packed into rows of the same length
-  (``redcoast.packing.pack_sequences``); the Llama takes ``segment_ids``, so attention and
+  (``redcoast.text.packing.pack_sequences``); the Llama takes ``segment_ids``, so attention and
   positions stay within each conversation.
 
 It prints the real (not padding) tokens trained per second of each, and the held-out loss per
@@ -33,9 +33,9 @@ import numpy as np
 import optax
 
 from redcoast import Deployer, Trainer
-from redcoast.chat_data import tokenize_conversation
+from redcoast.text.chat_data import tokenize_conversation
 from redcoast.models import from_gguf, packaged_gguf
-from redcoast.packing import pack_sequences, packed_fraction, pad_sequences
+from redcoast.text.packing import pack_sequences, packed_fraction, pad_sequences
 from redcoast.simulate import simulate_cpu_devices
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # 8 simulated devices unless you choose others

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from .. import deployer as core, placement
+from .. import deployer as core
 from ..errors import ConfigError
+from ..multihost import placement
 from .checkpoints import read_info, restore_tree, save_redco_ckpt, saved_shapes
 from .notices import warn_redco
 from .rules import AutoShardingRules, plain_rules

@@ -50,7 +50,7 @@ def check_length(max_length, n_positions, family):
 
 def packed_rows(segment_ids, attention_mask, positions, cache):
     """``(attention_mask, positions)`` of rows of packed sequences
-    (:func:`redcoast.packing.pack_sequences`): real where ``segment_ids`` is not 0, positions
+    (:func:`redcoast.text.packing.pack_sequences`): real where ``segment_ids`` is not 0, positions
     counted within each segment unless given. They replace an attention mask and take no
     cache."""
     if cache is not None or attention_mask is not None:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError
-from ..folder_files import file_in_folder
+from ..store.folder_files import file_in_folder
 from .hf import write_json
 
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")

@@ -1,6 +1,6 @@
 """A model folder's sharded index (``model.safetensors.index.json``) read from a stranger: its
 weight_map a map of tensor names to files, each file resolved (symlinks followed) inside the
-folder by :func:`redcoast.folder_files.file_in_folder`, so that an index cannot make a model
+folder by :func:`redcoast.store.folder_files.file_in_folder`, so that an index cannot make a model
 load some other file on the machine as weights (a hub cache snapshot's links into its blobs
 are followed).
 """
@@ -8,7 +8,7 @@ are followed).
 import os
 
 from ..errors import ConfigError
-from ..folder_files import file_in_folder, read_json_object
+from ..store.folder_files import file_in_folder, read_json_object
 
 REFETCH = ("download the model folder again (e.g. `hf download ORG/NAME --local-dir DIR`) or "
            "write it with save_pretrained")

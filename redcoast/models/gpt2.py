@@ -197,7 +197,7 @@ class GPT2LMHeadModel(nnx.Module):
     """``(input_ids, attention_mask=None, positions=None, cache=None, cache_index=None,
     segment_ids=None)`` -> logits [B, T, vocab] float32, or ``(logits, new_cache)`` with a cache
     (see ``init_cache``). ``segment_ids`` [B, T]: rows of packed sequences
-    (:func:`redcoast.packing.pack_sequences`), each attending within itself, positions per
+    (:func:`redcoast.text.packing.pack_sequences`), each attending within itself, positions per
     sequence.
 
     With ``add_cross_attention`` (the text decoder of a VisionEncoderDecoderModel) every block

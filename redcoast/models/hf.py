@@ -17,9 +17,9 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError
-from ..safetensors_check import open_safetensors, wrapped
-from ..tensor_files import entry, write_safetensors
-from ..folder_files import file_in_folder, read_json_object
+from ..store.folder_files import file_in_folder, read_json_object
+from ..store.safetensors_check import open_safetensors, wrapped
+from ..store.tensor_files import entry, write_safetensors
 from .folder_index import REFETCH, read_weight_map, weight_file
 
 SINGLE_FILE = "model.safetensors"
@@ -250,7 +250,7 @@ def load_params(reader, sources, abstract_params, shardings=None, dtype=None):
 
 def save_folder(folder, config, tensors, max_shard_bytes=None):
     """Write ``config`` (dict) and ``tensors`` (name -> array of any placement, or a
-    :class:`redcoast.tensor_files.Deferred`) as a Hugging Face folder.
+    :class:`redcoast.store.tensor_files.Deferred`) as a Hugging Face folder.
 
     Every process must call it (sharded arrays are gathered one at a time); process 0 writes.
     Tensors stream to the files one at a time (host memory near the largest tensor) and keep

@@ -26,8 +26,8 @@ from flax.core import FrozenDict
 
 from ..errors import ConfigError
 from . import hf
-from .blocks import packed_rows
 from . import stacked
+from .blocks import packed_rows
 from .layers import (RMSNorm, apply_rotary, attend, attention_mask, rope_type, rotary_cos_sin,
                      write_cache)
 
@@ -360,7 +360,7 @@ class LlamaForCausalLM(nnx.Module):
         ``input_ids[:, 0]`` goes to slot ``cache_index`` (int32 scalar, the same for all rows),
         ``attention_mask [B, S_max]`` marks the slots that hold (or now receive) real tokens,
         and ``positions [B, T]`` are required. ``segment_ids [B, T]`` (training on sequences
-        packed in a row, :func:`redcoast.packing.pack_sequences`; no cache): tokens attend
+        packed in a row, :func:`redcoast.text.packing.pack_sequences`; no cache): tokens attend
         within their own segment only, 0 marks padding, and positions default to each
         segment's own count, so each sequence computes as if it stood alone.
         """

@@ -27,8 +27,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..lora import (LoRA, _get, _set, adapter_paths, check_adapters, check_pair, path_str,
                     read_safetensors, A_NAME, B_NAME, M_NAME)
-from ..tensor_files import Deferred, entry, host_array, write_safetensors
-from ..folder_files import file_in_folder, read_json_object
+from ..store.folder_files import file_in_folder, read_json_object
+from ..store.tensor_files import Deferred, entry, host_array, write_safetensors
 from .peft_targets import SEQ_CLS_HEADS, check_targets
 from .pretrained import family_of
 

@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
-from . import folder_extras
-from .chat_template import ChatTemplate
-from ..folder_files import file_in_folder
 from ..sharding.paths import key_to_str
-from ..tensor_files import Deferred, host_array, host_row
+from ..store.folder_files import file_in_folder
+from ..store.tensor_files import Deferred, host_array, host_row
+from . import folder_extras
 from . import hf
 from .base import Model
+from .chat_template import ChatTemplate
 
 CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
 

@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ConfigError
-from .activations import ACTIVATIONS
 from . import hf, stacked
+from .activations import ACTIVATIONS
 from .hf import Source
 from .layers import RMSNorm, write_cache
 

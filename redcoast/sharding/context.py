@@ -45,7 +45,7 @@ def tracing_for(n_model_shards, vendor_kernels=True):
 def laid_out_for(fn, n_model_shards, vendor_kernels=True):
     """``fn``, traced (or run) inside :func:`tracing_for` with these arguments. Vendor kernels
     stay off where the block it is traced in turned them off (the FLOP count traces the whole
-    step so: redcoast/flops.py)."""
+    step so: redcoast/layout/flops.py)."""
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         with tracing_for(n_model_shards, vendor_kernels and _VENDOR_KERNELS.get()):

@@ -1,0 +1,109 @@
+"""The layout a Trainer runs in, chosen once at its first batch and said in the log."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from ..multihost import placement
+from ..sharding.dataflow import FALLBACK
+from ..sharding.plan import splits_over_model_shards
+from ..store import user_cache
+from ..store.workdir import is_url
+from .abstract import placed, shapes_of
+from .layout import Recipe, choose_layout
+from .remembered import LayoutMemory
+
+
+def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mapping,
+                      batch_for: Callable):
+    """The final layout for ``state``, from the loss traced on the first batch (``batch_for
+    (mesh)``: an abstract first micro-batch on ``mesh``) among ``options`` (``{"fsdp": [...],
+    "fuse_matmuls": [...]}``) and the deployer's shard counts; what was chosen, and why, logged."""
+    shard_counts = (deployer.model_shard_candidates() if deployer.n_model_shards_requested == "auto"
+                    else [deployer.n_model_shards])
+    memory = _layout_memory(recipe, deployer, options, shard_counts)
+    started = time.perf_counter()
+    layout = choose_layout(recipe, state, train_key, shard_counts, options["fsdp"],
+                           options["fuse_matmuls"], batch_for, deployer.mesh_for,
+                           deployer.device_memory_budget(), deployer.platform, memory)
+    if len(layout.considered) > 1:
+        deployer.log_info(
+            f"choosing the layout compiled {len(layout.considered)} candidate steps in "
+            f"{time.perf_counter() - started:.1f} s"
+            + (f"; the choice is remembered in {' and '.join(memory.places())} for the next run"
+               if memory else "; a workdir would remember it for the next run")
+            + f" (Deployer(n_model_shards={layout.n_model_shards}) skips the comparison).")
+    if layout.source.startswith(FALLBACK):  # said always, not only in verbose runs
+        deployer.log_warning(f"sharding plan from {layout.source}")
+    frozen_split = _frozen_split_over_model_shards(layout)  # LoRA: the base is split
+    if len(shard_counts) == 1 and layout.plan.nothing_to_split(frozen_split):  # said always
+        deployer.log_warning(layout.plan.nothing_to_split(frozen_split) + ".")
+    elif short := layout.plan.short_of_megatron(frozen_split):  # said always
+        deployer.log_warning(short + ".")
+    if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
+        deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
+                          f"{layout.n_data_shards} x mp={layout.n_model_shards}): {layout.reason}.")
+    if deployer.verbose:
+        if layout.table:
+            deployer.log_info(f"{layout.name}: {layout.reason}.\n{layout.table}",
+                              title="Layout (candidates compiled for the first batch)")
+        deployer.log_info(layout.plan.table(frozen_split),
+                          title=f"Sharding plan (from {layout.source})")
+        deployer.log_info(layout.plan.rules_source(), title="As params_sharding_rules:")
+    return layout
+
+
+def batches_like(example_batch, accumulate_grad_batches: int, n_data_shards: int) -> Callable:
+    """``batch_for(mesh)``: an abstract micro-batch shaped like ``example_batch`` (a global
+    batch for ``n_data_shards``, with the micro-batch axis first when accumulating) with the same
+    rows per data shard on ``mesh`` ('auto' trying other numbers of shards)."""
+    micro = jax.tree_util.tree_map(lambda x: x[0] if accumulate_grad_batches > 1 else x,
+                                   example_batch)
+    return lambda mesh: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+        (x.shape[0] * mesh.shape["dp"] // n_data_shards, *x.shape[1:]), x.dtype), micro)
+
+
+def moved_to(layout, old, state, abstract: bool, keys: tuple) -> tuple:
+    """``(state, keys)`` moved from layout ``old`` to ``layout`` (the state donated: a model may
+    fill the devices); between layouts the state is in the user's layout. On shapes alike."""
+    if abstract:
+        user = jax.eval_shape(old.stored.state_to_user, state)
+        state = shapes_of(layout.stored.state_to_storage,
+                          placed(user, layout.state_shardings), layout.state_shardings)
+        return state, placed(keys, (layout.replicated, layout.replicated))
+    user = old.stored.state_to_user(state)
+    state = layout.stored.state_to_storage(
+        placement.device_put(user, layout.state_shardings, donate=True))
+    return state, placement.device_put(keys, layout.replicated)
+
+
+def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> LayoutMemory | None:
+    """Where this run's layout choice is remembered (the workdir's layout.json and the per-user
+    cache, user_cache.py), with what it depends on besides the parameters and the batch; None
+    with neither (no local workdir, the cache off or several processes)."""
+    workdir = deployer.workdir
+    if workdir is not None and is_url(workdir):  # remote workdirs: not written here
+        workdir = None
+    cache_dir = user_cache.layouts_directory()
+    if workdir is None and cache_dir is None:
+        return None
+    key = {"shard_counts": list(shard_counts), "fsdp": list(options["fsdp"]),
+           "fuse_matmuls": list(options["fuse_matmuls"]),
+           "compute_dtype": str(jnp.dtype(recipe.compute_dtype)),
+           "accumulate": recipe.accumulate_grad_batches,
+           "budget": deployer.device_memory_budget(),
+           "own_train_step": recipe.train_step_fn is not None}
+    return LayoutMemory.in_workdir(workdir, key, deployer.devices, cache_dir, deployer.log_warning)
+
+
+def _frozen_split_over_model_shards(layout):
+    """Whether any of the frozen parameters (e.g. LoRA's base) is split over the model shards:
+    then the devices share that work even when the trained parameters split nothing."""
+    frozen = layout.state_shardings.frozen_params
+    if frozen is None:
+        return False
+    return splits_over_model_shards([s.spec for s in jax.tree_util.tree_leaves(frozen)])

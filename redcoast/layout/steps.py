@@ -1,0 +1,290 @@
+"""The jitted functions of a run: the training step, the evaluation step, the prediction step.
+
+Each is a pure function of (state or params, batch, rng); the Trainer and Predictor compile them
+with explicit shardings. Mixed precision: parameters are kept (and updated) in their own dtype
+(fp32 master weights); ``compute_dtype`` is what ``loss_fn`` sees, so its forward and backward
+run in that dtype while gradients arrive, are accumulated and are applied in fp32.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..errors import LossError
+from ..sharding.fusion import fuse_sibling_matmuls
+from ..sharding.grouped_conv import guard_grouped_convs
+from ..sharding.paths import leaves_with_paths
+from ..sharding.remat_weights import gather_in_remat, gathered_in_remat
+from ..sharding.scanned_weights import gather_layer_by_layer, scanned_leaves
+
+
+# optax.tree.norm replaced optax.global_norm (deprecated since optax 0.2.5)
+_tree_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
+
+
+def cast_floating(tree, dtype):
+    """Cast floating-point leaves to ``dtype``; integer leaves are left alone."""
+    if dtype is None:
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def split_loss_output(output):
+    """``loss_fn``'s output as (scalar fp32 loss, dict of scalar fp32 metrics), or a clear error."""
+    if isinstance(output, (tuple, list)) and len(output) == 2 and isinstance(output[1], dict):
+        loss, metrics = output
+    else:
+        loss, metrics = output, {}
+    if loss is None:
+        raise LossError(
+            "loss_fn returned None; it must return a scalar loss or (scalar loss, dict of scalar "
+            "metrics). Fix: return the loss on every path of loss_fn, for is_training=True and "
+            "False alike.")
+    try:
+        loss = jnp.asarray(loss)
+    except TypeError as e:
+        raise LossError(
+            f"loss_fn returned {type(loss).__name__}; it must return a scalar loss or "
+            "(scalar loss, dict of scalar metrics).") from e
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise LossError(
+            f"loss_fn returned a loss of dtype {loss.dtype}; it must be floating-point, or every "
+            "gradient is zero and nothing trains. Fix: compute the loss in floats (e.g. "
+            "`.astype(jnp.float32)` before reducing, not after rounding or argmax).")
+    if loss.shape != ():
+        raise LossError(
+            f"loss_fn returned a loss of shape {loss.shape}; it must be a scalar. Fix: reduce it, "
+            "e.g. `return jnp.mean(per_example_loss)`, and return metrics as "
+            "(loss, {'name': scalar}).")
+    out_metrics = {}
+    for name, value in metrics.items():
+        value = jnp.asarray(value)
+        if value.shape != ():
+            raise LossError(
+                f"loss_fn returned metric '{name}' of shape {value.shape}; metrics must be "
+                f"scalars. Fix: reduce '{name}' (e.g. with jnp.mean) inside loss_fn.")
+        out_metrics[name] = value.astype(jnp.float32)
+    if "loss" in out_metrics:
+        raise LossError("loss_fn returned a metric named 'loss', which redcoast reserves for the "
+                        "loss itself. Fix: rename that metric.")
+    return loss.astype(jnp.float32), out_metrics
+
+
+def gathered(params, compute_dtype, compute_shardings=None):
+    """``params`` in ``compute_dtype``, each constrained to the sharding the step uses it in.
+
+    A parameter stored split over 'dp' (FSDP) is thereby all-gathered once, explicitly, where the
+    loss uses it, and its gradient reduce-scattered; left to propagation, XLA may instead carry
+    the split into the activations and reshard those (measured: 1.5x step time on 4x2).
+    """
+    params = cast_floating(params, compute_dtype)
+    if compute_shardings is None:
+        return params
+    return jax.lax.with_sharding_constraint(params, compute_shardings)
+
+
+def _stored_otherwise(compute_shardings, stored_shardings, params):
+    """Whether any parameter is stored otherwise than the step computes with it (FSDP)."""
+    if compute_shardings is None or stored_shardings is None:
+        return False
+    return any(not s.is_equivalent_to(c, np.ndim(p)) for c, s, p in zip(
+        jax.tree_util.tree_leaves(compute_shardings), jax.tree_util.tree_leaves(stored_shardings),
+        jax.tree_util.tree_leaves(params)))
+
+
+def _gathered_in_scans(closed, weights, compute_shardings, stored_shardings):
+    """``(shardings the loss starts from, {leaf: one layer's (stored, computed) specs})``: the
+    parameters that a scan of the loss's program ``closed`` runs over, and that are stored
+    otherwise than computed (FSDP), start as stored and stay so as each iteration takes its
+    layer, gathered where the layer is used (sharding/scanned_weights.py); the others are
+    gathered at the start (:func:`gathered`)."""
+    compute, treedef = jax.tree_util.tree_flatten(compute_shardings)
+    stored = treedef.flatten_up_to(stored_shardings)
+    moved = {i for i in scanned_leaves(closed, weights)
+             if not stored[i].is_equivalent_to(compute[i], len(weights[i].shape))}
+    if not moved:
+        return compute_shardings, {}
+    starts = [stored[i] if i in moved else s for i, s in enumerate(compute)]
+    return (jax.tree_util.tree_unflatten(treedef, starts),
+            {i: (tuple(stored[i].spec)[1:], tuple(compute[i].spec)[1:]) for i in moved})
+
+
+def with_frozen_cast(state, compute_dtype):
+    """``state`` with its ``frozen_params`` (if any) in ``compute_dtype``, as ``loss_fn`` sees them."""
+    if state.frozen_params is None:
+        return state
+    return state.replace(frozen_params=cast_floating(state.frozen_params, compute_dtype))
+
+
+def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardings=None,
+                       mesh=None, guard_plan=None, stored_shardings=None):
+    """``loss_and_grad(state, params, batch, rng) -> (loss, metrics, grads)``: the training
+    loss of one micro-batch and its gradient, as the training step computes them.
+
+    ``rewrite_plan`` (a ``RewritePlan`` of the parameters' plan, sharding/rewrite_plan.py; used
+    with more than one model shard) runs the loss with sibling matmuls (Q/K/V, gate/up: one
+    input) of the weights the plan splits fused into one, so that under tensor parallelism the
+    backward pass all-reduces their input gradient once, as Megatron-LM does (and the other
+    rewrites of sharding/fusion.py). ``compute_shardings`` (``plan.compute_shardings()``):
+    where the loss uses each parameter (see :func:`gathered`). ``mesh``: the mesh the step runs
+    on; its grouped convolutions are then guarded against the partitioner's wrong kernel
+    gradient (sharding/grouped_conv.py), with their channels split where ``guard_plan`` (the
+    ``RewritePlan`` of the parameters' plan, whether or not the loss is rewritten) splits
+    their kernels. ``stored_shardings`` (the parameters' own): a stacked parameter that a scan
+    runs over and FSDP stores split is gathered one layer at a time inside the scan, not whole
+    at the start (sharding/scanned_weights.py).
+    """
+    def training_loss(p, batch, rng, state, shardings):
+        return loss_fn(rng, with_frozen_cast(state, compute_dtype),
+                       gathered(p, compute_dtype, shardings), batch, True)
+
+    def objective_of(state, params, batch, rng):
+        shardings, layer_specs, remat_specs = compute_shardings, {}, {}
+        if (mesh is not None and guard_plan is not None and guard_plan.knows_placements
+                and _stored_otherwise(compute_shardings, stored_shardings, params)):
+            weights = guard_plan.leaf_splits(leaves_with_paths(params))
+            closed = jax.make_jaxpr(lambda p: training_loss(p, batch, rng, state, None))(params)
+            shardings, layer_specs = _gathered_in_scans(closed, weights, compute_shardings,
+                                                        stored_shardings)
+            shardings, remat_specs = gathered_in_remat(closed, weights, shardings,
+                                                       compute_shardings, stored_shardings)
+        fn = lambda p, b, r: training_loss(p, b, r, state, shardings)  # noqa: E731
+        if remat_specs:  # cast and kept as stored here, gathered in the layers (remat_weights.py)
+            inner = gather_in_remat(lambda p, b, r: loss_fn(
+                r, with_frozen_cast(state, compute_dtype), p, b, True), mesh, remat_specs)
+            fn = lambda p, b, r: inner(gathered(p, compute_dtype, shardings), b, r)  # noqa: E731
+        if layer_specs:
+            fn = gather_layer_by_layer(fn, mesh, weights, layer_specs)
+        return fn if mesh is None else guard_grouped_convs(fn, mesh, plan=guard_plan)
+
+    def loss_and_grad(state, params, batch, rng):
+        loss = objective_of(state, params, batch, rng)
+
+        def objective(p):
+            if rewrite_plan is not None and rewrite_plan.blocks > 1:
+                try:
+                    return split_loss_output(fuse_sibling_matmuls(loss, rewrite_plan)(p, batch, rng))
+                except LossError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a program the rewrite cannot run: as written
+                    # the loss's own errors surface from this unfused trace, as written
+                    out = split_loss_output(loss(p, batch, rng))
+                    warnings.warn(f"redcoast could not fuse the loss's sibling matmuls "
+                                  f"({type(e).__name__}: {e}); the step runs as written, which "
+                                  "may move more bytes between model shards.", stacklevel=2)
+                    return out
+            return split_loss_output(loss(p, batch, rng))
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return loss, metrics, grads
+
+    return loss_and_grad
+
+
+def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardings=None,
+                    rewrite_plan=None, compute_shardings=None, log_grad_norm=False, mesh=None,
+                    guard_plan=None):
+    """``step(state, batch, rng) -> (state, metrics)``: one optimizer update.
+
+    With ``accumulate_grad_batches`` k > 1 the batch has a leading axis of k micro-batches and
+    the gradient is their mean, computed in one compiled loop. ``state.nonfinite_step`` records
+    the first step whose loss was not finite. ``rewrite_plan``, ``compute_shardings``, ``mesh``
+    and ``guard_plan``: see :func:`make_loss_and_grad`. ``log_grad_norm`` adds the global norm of the
+    (averaged) gradient to the metrics as ``grad_norm``.
+    """
+    loss_and_grad = make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan, compute_shardings, mesh,
+                                       guard_plan, stored_shardings=grad_shardings)
+
+    def step(state, batch, rng):
+        step_rng = jax.random.fold_in(rng, state.step)
+        if accumulate_grad_batches == 1:
+            loss, metrics, grads = loss_and_grad(state, state.params, batch, jax.random.fold_in(step_rng, 0))
+        else:
+            def micro(carry, xs):
+                micro_batch, i = xs
+                loss, metrics, grads = loss_and_grad(state, state.params, micro_batch,
+                                                     jax.random.fold_in(step_rng, i))
+                total = jax.tree_util.tree_map(jnp.add, carry, (loss, metrics, grads))
+                if grad_shardings is not None:  # keep the running sum sharded like the params
+                    total = (total[0], total[1], jax.lax.with_sharding_constraint(total[2], grad_shardings))
+                return total, None
+
+            zeros = jax.eval_shape(lambda: loss_and_grad(state, state.params,
+                                                         jax.tree_util.tree_map(lambda x: x[0], batch), step_rng))
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+            (loss, metrics, grads), _ = jax.lax.scan(
+                micro, zeros, (batch, jnp.arange(accumulate_grad_batches)))
+            loss, metrics, grads = jax.tree_util.tree_map(
+                lambda x: x / accumulate_grad_batches, (loss, metrics, grads))
+
+        # From the first non-finite loss on, no update is applied: the gradients and the updates
+        # are zeroed, so the parameters stay the last finite ones exactly (the optimizer's moments
+        # see a zero gradient; that state is never saved, see Trainer._check_finite). Selects on
+        # the gradients and updates fuse into the optimizer's elementwise update: no extra memory
+        # or time measured, where a select over the new state (or a lax.cond) added temporary
+        # buffers and time (benchmarks/nonfinite_guard.py).
+        ok = (state.nonfinite_step < 0) & jnp.isfinite(loss)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        updates = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+        params = optax.apply_updates(state.params, updates)
+        # The host checks the flag at every logging interval and before any save.
+        first_bad = jnp.where((state.nonfinite_step < 0) & ~jnp.isfinite(loss),
+                              state.step, state.nonfinite_step)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                  nonfinite_step=first_bad)
+        metrics = {"loss": loss, **metrics}
+        if log_grad_norm:
+            if "grad_norm" in metrics:
+                raise LossError("loss_fn returned a metric named 'grad_norm', which "
+                                "log_grad_norm=True reserves for the gradient's norm. Fix: rename "
+                                "that metric.")
+            metrics["grad_norm"] = _tree_norm(grads).astype(jnp.float32)
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(loss_fn, compute_dtype, compute_shardings=None):
+    """``step(state, batch, mask, rng) -> (sums, count, spread)``: example-weighted loss and
+    metrics.
+
+    ``loss_fn`` is applied to each example as a batch of one (vectorised with ``vmap``), so the
+    result is the mean over examples whatever the batch size, and padded rows (``mask`` False)
+    count for nothing. ``spread``: the smallest and largest loss of the real rows (equal losses
+    for different examples hint at a loss defined over the batch, see
+    :func:`make_batch_eval_step`).
+    """
+    def step(state, batch, mask, rng):
+        params = gathered(state.params, compute_dtype, compute_shardings)
+        state = with_frozen_cast(state, compute_dtype)
+
+        def one(example):
+            example = jax.tree_util.tree_map(lambda x: x[None], example)
+            return split_loss_output(loss_fn(rng, state, params, example, False))
+
+        losses, metrics = jax.vmap(one)(batch)
+        weights = mask.astype(jnp.float32)
+        sums = {"loss": jnp.sum(losses * weights),
+                **{k: jnp.sum(v * weights) for k, v in metrics.items()}}
+        spread = (jnp.min(jnp.where(mask, losses, jnp.inf)), jnp.max(jnp.where(mask, losses, -jnp.inf)))
+        return sums, jnp.sum(weights), spread
+
+    return step
+
+
+def make_batch_eval_step(loss_fn, compute_dtype, compute_shardings=None):
+    """``step(state, batch, rng) -> (sums, count)``: ``loss_fn`` applied to the whole batch, as
+    a loss defined over the batch needs (a contrastive loss is 0 on a batch of one); ``sums``
+    are its loss and metrics times the batch's rows, every row real."""
+    def step(state, batch, rng):
+        params = gathered(state.params, compute_dtype, compute_shardings)
+        loss, metrics = split_loss_output(
+            loss_fn(rng, with_frozen_cast(state, compute_dtype), params, batch, False))
+        rows = jnp.float32(jax.tree_util.tree_leaves(batch)[0].shape[0])
+        return {"loss": loss * rows, **{k: v * rows for k, v in metrics.items()}}, rows
+
+    return step

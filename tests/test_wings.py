@@ -1,0 +1,144 @@
+"""The package's shape: a small public face, wings that stack, and no import cycle.
+
+Read from the source with ``ast`` (imports inside functions included), so a cycle hidden behind a
+function-level import fails here as surely as one at the top of a module.
+"""
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "redcoast"
+
+# The wings and public modules from the bottom up: each may import those on its own row or
+# below, never above. A public module is a row entry of its own; a wing (a subpackage) is one
+# entry for all its modules. The README's Layout section draws the same map, a row a line.
+STACK = [
+    ("errors", "simulate", "train_state"),
+    ("sharding",),
+    ("multihost",),
+    ("store",),
+    ("validate", "export", "lora", "data", "progress", "callbacks", "schedules", "logs"),
+    ("models",),
+    ("layout",),
+    ("loop",),
+    ("deployer", "predictor"),
+    ("trainer",),
+    ("text",),
+    ("compat",),
+    ("__init__", "__main__", "cli"),  # the entry points: the face and the commands
+]
+RANK = {unit: row for row, units in enumerate(STACK) for unit in units}
+MAX_TOP_LEVEL_MODULES = 16
+
+
+def _module_name(path):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _is_package(name):
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name):
+    """``(line, imported module, via package __init__ names)`` for every import in module ``name``."""
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "redcoast":
+                    yield node.lineno, _existing(alias.name), []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if _is_package(name) else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "redcoast":
+                continue
+            names_from_init = []
+            for alias in node.names:
+                if f"{source}.{alias.name}" in MODULES:
+                    yield node.lineno, f"{source}.{alias.name}", []
+                else:
+                    names_from_init.append(alias.name)
+            if names_from_init:
+                yield node.lineno, _existing(source), names_from_init
+
+
+def _existing(dotted):
+    while dotted not in MODULES:
+        dotted = dotted.rsplit(".", 1)[0]
+    return dotted
+
+
+def _unit(name):
+    """The stack's entry of a module: its wing, or itself for a public module."""
+    parts = name.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+GRAPH = {name: {target for _, target, _ in _imports(name) if target != name} for name in MODULES}
+
+
+def test_the_public_face_is_small():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, (
+        f"{len(top)} modules directly under redcoast/ ({top}); put the new one in the wing that "
+        "owns its idea")
+
+
+def test_every_module_has_its_place_in_the_stack():
+    units = {_unit(name) for name in MODULES}
+    assert units <= set(RANK), f"not in STACK: {sorted(units - set(RANK))}"
+
+
+def test_no_wing_imports_one_above_it():
+    upward = [f"{MODULES[name].relative_to(PACKAGE.parent)}:{line} imports {target} "
+              f"({_unit(target)}, row {RANK[_unit(target)]} above its row {RANK[_unit(name)]})"
+              for name in MODULES for line, target, _ in _imports(name)
+              if RANK[_unit(target)] > RANK[_unit(name)]]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_module_imports_its_siblings_through_its_own_package():
+    through = [f"{MODULES[name].relative_to(PACKAGE.parent)}:{line} imports {names} from "
+               f"{target}/__init__.py; import them from the module that defines them"
+               for name in MODULES for line, target, names in _imports(name)
+               if names and target != "redcoast" and not _is_package(name)
+               and name.rsplit(".", 1)[0] == target]
+    assert not through, "\n".join(through)
+
+
+def test_no_import_cycle():
+    """Depth-first search for a back edge; the message is the cycle itself."""
+    state, stack = {}, []
+
+    def visit(name):
+        state[name] = "open"
+        stack.append(name)
+        for target in sorted(GRAPH[name]):
+            if state.get(target) == "open":
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[name] = "done"
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name)
+
+
+def test_the_checks_see_what_they_check():
+    """The graph the tests read has the edges any reader sees (guards against an AST walk
+    that silently finds nothing): the Trainer imports the loop, the loop the layout, and a
+    function-level import is an edge."""
+    assert "redcoast.loop.fit_run" in GRAPH["redcoast.trainer"]
+    assert "redcoast.layout.layout" in GRAPH["redcoast.loop.initial_state"]
+    assert "redcoast.cli.plan_command" in GRAPH["redcoast.cli.main"]  # inside cli()
