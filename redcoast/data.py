@@ -19,8 +19,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import ConfigError, DataError
+from .sharding.axes import DATA_AXIS
 from .sharding.paths import key_to_str, path_to_str
 from .store.stream_fingerprint import RunningFingerprint
+
+
+def global_batch_size(per_device_batch_size, mesh):
+    """Examples in one (micro-)batch on ``mesh``: ``per_device_batch_size`` per data shard. The one
+    place this number is computed."""
+    return per_device_batch_size * mesh.shape[DATA_AXIS]
 
 
 def epoch_order(n_examples, seed, epoch, shuffle=True):
@@ -34,7 +41,7 @@ def epoch_order(n_examples, seed, epoch, shuffle=True):
 
 def process_rows(mesh, global_rows):
     """``(start, stop)``: the rows of a ``global_rows`` batch held by this process's devices."""
-    sharding = NamedSharding(mesh, P("dp"))
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
     indices = sharding.addressable_devices_indices_map((global_rows,)).values()
     slices = sorted({s[0].indices(global_rows)[:2] for s in indices if s is not None})
     start, stop = slices[0][0], slices[0][1]
@@ -159,16 +166,16 @@ class EpochData:
     def first_batch(self, collate_fn, per_device_batch_size, mesh, accumulate_grad_batches=1):
         """The epoch's first micro-batch on ``mesh`` (for tracing and measuring the step),
         where the epoch holds one update (a stream: one micro-batch), else a ConfigError."""
-        global_batch = per_device_batch_size * mesh.shape["dp"]
+        global_batch = global_batch_size(per_device_batch_size, mesh)
         examples, indices = self.first(global_batch)
         if self.length is not None:
-            updates_per_epoch(self.length, per_device_batch_size, mesh.shape["dp"],
+            updates_per_epoch(self.length, per_device_batch_size, mesh.shape[DATA_AXIS],
                               accumulate_grad_batches)
         elif len(indices) < global_batch:
             raise ConfigError(
                 f"train_examples ended after {len(indices)} examples, fewer than one batch of "
                 f"{global_batch} (per_device_batch_size={per_device_batch_size} x "
-                f"{mesh.shape['dp']} data shards). Fix: use a smaller batch size.")
+                f"{mesh.shape[DATA_AXIS]} data shards). Fix: use a smaller batch size.")
         return BatchMaker(mesh, collate_fn, global_batch).make(examples, indices)
 
     def skip_trained(self, n, per_update, epoch, fingerprint=None):
@@ -373,7 +380,7 @@ class BatchMaker:
         self.global_batch_size = global_batch_size
         self.micro_batches = micro_batches
         self.row_start, self.row_stop = process_rows(mesh, global_batch_size)
-        spec = P("dp") if micro_batches == 1 else P(None, "dp")
+        spec = P(DATA_AXIS) if micro_batches == 1 else P(None, DATA_AXIS)
         self.sharding = NamedSharding(mesh, spec)
 
     def local_indices(self, indices):
@@ -405,7 +412,7 @@ class BatchMaker:
         """A global boolean array marking the real rows of a padded last batch."""
         rows = np.arange(self.row_start, self.row_stop) < n_real
         return jax.make_array_from_process_local_data(
-            NamedSharding(self.mesh, P("dp")), rows, (self.global_batch_size,))
+            NamedSharding(self.mesh, P(DATA_AXIS)), rows, (self.global_batch_size,))
 
 
 def padded_batches(n_examples, global_batch_size):

@@ -8,12 +8,14 @@ import numpy as np
 from jax.sharding import AxisType
 
 from . import validate
+from .data import global_batch_size
 from .errors import ConfigError
 from .export import save_params
 from .logs import RunLogger
 from .multihost import distributed
 from .schedules import make_lr_schedule, n_updates_per_epoch
 from .sharding import ShardingPlan
+from .sharding.axes import DATA_AXIS, MESH_AXES, MODEL_AXIS
 from .sharding.dataflow import traced_placements
 from .store import user_cache
 from .store.workdir import WorkdirLock, absolute
@@ -123,11 +125,11 @@ class Deployer:
 
     @property
     def n_model_shards(self):
-        return self.mesh.shape["mp"]
+        return self.mesh.shape[MODEL_AXIS]
 
     @property
     def n_data_shards(self):
-        return self.mesh.shape["dp"]
+        return self.mesh.shape[DATA_AXIS]
 
     @property
     def process_index(self):
@@ -139,7 +141,8 @@ class Deployer:
 
     def global_batch_size(self, per_device_batch_size):
         """Examples per micro-batch across the whole mesh: one slice per data-parallel shard."""
-        return validate.positive_int("per_device_batch_size", per_device_batch_size) * self.n_data_shards
+        return global_batch_size(validate.positive_int("per_device_batch_size", per_device_batch_size),
+                                 self.mesh)
 
     def gen_rng(self):
         """A fresh PRNG key; the sequence depends on ``jax_seed`` only (same on every process)."""
@@ -219,5 +222,5 @@ def make_mesh(n_model_shards, devices=None):
         raise ConfigError(
             f"n_model_shards={n_model_shards} does not divide the {n} available devices. Fix: use "
             f"one of {divisors}, or run on a number of devices that {n_model_shards} divides.")
-    return jax.make_mesh((n // n_model_shards, n_model_shards), ("dp", "mp"),
+    return jax.make_mesh((n // n_model_shards, n_model_shards), MESH_AXES,
                          axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)

@@ -6,11 +6,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import validate
-from .data import BatchMaker, is_sequence, padded_batches, prefetch
+from .data import BatchMaker, global_batch_size, is_sequence, padded_batches, prefetch
 from .errors import DataError
 from .multihost import placement
 from .multihost.heartbeat import heartbeat
 from .multihost.host import to_host
+from .sharding.axes import DATA_AXIS, MESH_AXES, MODEL_AXIS
 from .sharding.context import laid_out_for
 
 
@@ -54,14 +55,14 @@ class Predictor:
                                x.sharding if isinstance(x, jax.Array) else None) for x in leaves))
         if key not in self._compiled:
             mesh, shardings, used = self._placement(params)
-            pred_fn = laid_out_for(self.pred_fn, mesh.shape["mp"])
+            pred_fn = laid_out_for(self.pred_fn, mesh.shape[MODEL_AXIS])
 
             def step(p, batch, rng, index):
                 # parameters stored split further (FSDP) are gathered where used, not the activations
                 p = jax.lax.with_sharding_constraint(p, used)
                 return pred_fn(jax.random.fold_in(rng, index), p, batch)
 
-            jitted = jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, P("dp")),
+            jitted = jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, P(DATA_AXIS)),
                                                  NamedSharding(mesh, P()), NamedSharding(mesh, P())))
             self._compiled[key] = (mesh, shardings, jitted)
         return self._compiled[key]
@@ -82,7 +83,7 @@ class Predictor:
         mesh, shardings, step = self._step_for(params)
         params = placement.device_put(params, shardings)
         rng = self.deployer.gen_rng() if rng is None else rng
-        global_batch = per_device_batch_size * mesh.shape["dp"]
+        global_batch = global_batch_size(per_device_batch_size, mesh)
         maker = BatchMaker(mesh, self.collate_fn, global_batch)
         batches = prefetch((maker.make(examples, idx), n_real)
                            for idx, n_real in padded_batches(len(examples), global_batch))
@@ -150,7 +151,7 @@ def _laid_out_on(params):
                              for x in leaves):
         return None
     meshes = {x.sharding.mesh for x in leaves}
-    base = [m for m in meshes if tuple(m.axis_names) == ("dp", "mp")]
+    base = [m for m in meshes if tuple(m.axis_names) == MESH_AXES]
     if len(base) != 1:
         return None
     devices = set(base[0].devices.flat)
@@ -160,10 +161,10 @@ def _laid_out_on(params):
 def _without_dp(spec):
     """``spec`` with the 'dp' axis taken out: where the step uses a parameter FSDP stores split."""
     def drop(entry):
-        if entry == "dp":
+        if entry == DATA_AXIS:
             return None
         if isinstance(entry, tuple):
-            rest = tuple(a for a in entry if a != "dp")
+            rest = tuple(a for a in entry if a != DATA_AXIS)
             return rest[0] if len(rest) == 1 else (rest or None)
         return entry
     return P(*(drop(e) for e in spec))

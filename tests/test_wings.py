@@ -142,3 +142,20 @@ def test_the_checks_see_what_they_check():
     assert "redcoast.loop.fit_run" in GRAPH["redcoast.trainer"]
     assert "redcoast.layout.layout" in GRAPH["redcoast.loop.initial_state"]
     assert "redcoast.cli.plan_command" in GRAPH["redcoast.cli.main"]  # inside cli()
+
+
+def test_the_mesh_axis_names_are_written_once():
+    """'dp' and 'mp' as values in code live in sharding/axes.py only (docstrings and messages may
+    name them): a mesh built or read elsewhere uses DATA_AXIS, MODEL_AXIS, MESH_AXES."""
+    bare = []
+    for name, path in MODULES.items():
+        if name == "redcoast.sharding.axes":
+            continue
+        tree = ast.parse(path.read_text())
+        texts = {id(node.body[0].value) for node in ast.walk(tree)
+                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                 and node.body and isinstance(node.body[0], ast.Expr)}
+        bare += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.value!r}"
+                 for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and node.value in ("dp", "mp") and id(node) not in texts]
+    assert not bare, "use redcoast.sharding.axes' names: " + ", ".join(bare)

@@ -195,7 +195,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     trainer = Trainer(deployer, _no_examples, model.apply, _loss_for(model, model_type), abstract,
                       optimizers[optimizer], compute_dtype=jnp.dtype(param_dtype), fsdp=True,
                       fuse_matmuls=True)
-    rows = per_device_batch_size * deployer.n_data_shards
+    rows = deployer.global_batch_size(per_device_batch_size)
     ids = jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32)
     batch = {"ids": ids, "mask": jax.ShapeDtypeStruct((rows, seq_len), jnp.int32), "labels": ids}
     record = PlanRecord(

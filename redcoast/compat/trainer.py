@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from .. import trainer as core, validate
 from ..errors import ConfigError
 from ..progress import Progress
+from ..sharding.axes import DATA_AXIS
 from .calls import COLLATE_FN_ARGS, EVAL_METRIC_FN_ARGS, LOSS_FN_ARGS, by_keyword
 from .notices import warn_redco
 from .optimizers import params_for_optimizer, unwrap_multisteps
@@ -50,7 +51,7 @@ def adapt_train_step_fn(train_step_fn, trainer, loss_fn, lr_schedule_fn, compute
 
     def step(state, batch, rng):
         mesh = trainer.deployer.mesh
-        dp = mesh.shape["dp"]
+        dp = mesh.shape[DATA_AXIS]
         by_shard = jax.tree_util.tree_map(lambda x: x.reshape((dp, -1) + x.shape[1:]), batch)
         return train_step_fn(jax.random.fold_in(rng, state.step), state, by_shard, loss_fn=loss_fn,
                              lr_schedule_fn=lr_schedule_fn, mesh=mesh, compute_dtype=compute_dtype)

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import ConfigError, LayoutCheckError
 from ..multihost.host import to_host
+from ..sharding.axes import DATA_AXIS
 from ..sharding.context import laid_out_for
 from ..sharding.paths import leaves_with_paths, path_to_str
 from .steps import make_loss_and_grad
@@ -119,14 +120,14 @@ def rounded_differently(params, seed=0):
 def first_rows(examples, collate_fn, per_device_batch_size, mesh):
     """The first ``per_device_batch_size`` x data shards of ``examples`` (a sequence), placed
     on ``mesh``: the micro-batch a layout is checked on."""
-    from ..data import BatchMaker, is_sequence
+    from ..data import BatchMaker, global_batch_size, is_sequence
     if not is_sequence(examples):
         raise ConfigError(f"check_layout takes a sequence of examples (a list, a Dataset), "
                           f"not {type(examples).__name__}. Fix: pass list(...) of a few batches.")
-    n = per_device_batch_size * mesh.shape["dp"]
+    n = global_batch_size(per_device_batch_size, mesh)
     if len(examples) < n:
         raise ConfigError(f"check_layout needs {n} examples (per_device_batch_size="
-                          f"{per_device_batch_size} x {mesh.shape['dp']} data shards); "
+                          f"{per_device_batch_size} x {mesh.shape[DATA_AXIS]} data shards); "
                           f"{len(examples)} were given.")
     return BatchMaker(mesh, collate_fn, n).make(examples, np.arange(n))
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ..multihost import placement
+from ..sharding.axes import DATA_AXIS
 from ..sharding.dataflow import FALLBACK
 from ..sharding.plan import splits_over_model_shards
 from ..store import user_cache
@@ -64,7 +65,7 @@ def batches_like(example_batch, accumulate_grad_batches: int, n_data_shards: int
     micro = jax.tree_util.tree_map(lambda x: x[0] if accumulate_grad_batches > 1 else x,
                                    example_batch)
     return lambda mesh: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
-        (x.shape[0] * mesh.shape["dp"] // n_data_shards, *x.shape[1:]), x.dtype), micro)
+        (x.shape[0] * mesh.shape[DATA_AXIS] // n_data_shards, *x.shape[1:]), x.dtype), micro)
 
 
 def moved_to(layout, old, state, abstract: bool, keys: tuple) -> tuple:

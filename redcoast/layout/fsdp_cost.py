@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from ..multihost.host import process_0s
+from ..sharding.axes import DATA_AXIS, MODEL_AXIS
 from ..sharding.fsdp import gather_group
 
 TIE = 0.02       # step time FSDP may add: within the noise of a step (issue 28's "2 %")
@@ -70,7 +71,7 @@ def choose_fsdp(placements, axis_sizes, platform, step_flops, n_local_devices,
     of ``axis_sizes``, for a step of ``step_flops`` model FLOPs per device.
     ``state_bytes_per_param_byte``: what a parameter byte costs a device in all (itself, its
     gradient, its optimizer state)."""
-    n_data, n_model = axis_sizes.get("dp", 1), axis_sizes.get("mp", 1)
+    n_data, n_model = axis_sizes.get(DATA_AXIS, 1), axis_sizes.get(MODEL_AXIS, 1)
     r = RATES.get(platform, RATES["gpu"])
     splittable = []
     for pl in placements:

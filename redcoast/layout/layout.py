@@ -20,8 +20,10 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ..data import global_batch_size
 from ..errors import ConfigError
 from ..sharding import ShardingPlan
+from ..sharding.axes import DATA_AXIS, MODEL_AXIS
 from ..sharding.context import laid_out_for
 from ..sharding.dataflow import traced_placements
 from ..sharding.grouped_conv import guard_grouped_convs
@@ -113,11 +115,11 @@ class Layout:
 
     @property
     def n_model_shards(self):
-        return self.mesh.shape["mp"]
+        return self.mesh.shape[MODEL_AXIS]
 
     @property
     def n_data_shards(self):
-        return self.mesh.shape["dp"]
+        return self.mesh.shape[DATA_AXIS]
 
     @property
     def fsdp(self):
@@ -128,7 +130,7 @@ class Layout:
         return self.candidate.fuse_matmuls
 
     def global_batch_size(self, per_device_batch_size):
-        return per_device_batch_size * self.n_data_shards
+        return global_batch_size(per_device_batch_size, self.mesh)
 
     def __str__(self):
         return f"{self.name}: {self.reason}" + (f"\n{self.table}" if self.table else "")
@@ -218,7 +220,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     loss_fn = laid_out_for(storage_loss_fn(recipe.loss_fn, plan.permutations), n)
     rewrite = (RewritePlan.from_sharding_plan(plan)
                if candidate.fuse_matmuls and recipe.train_step_fn is None else None)
-    rows = NamedSharding(mesh, P("dp"))
+    rows = NamedSharding(mesh, P(DATA_AXIS))
     grad_step = None
     if recipe.train_step_fn is None:
         # the grouped-convolution guard splits channels as the plan does, fused or not
@@ -237,7 +239,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     else:  # the user's own step differentiates itself: its grouped convolutions (forward and
         # backward) are guarded as they come (sharding/grouped_conv.py)
         step_fn = guard_grouped_convs(_returning_state_and_metrics(recipe.train_step_fn), mesh)
-    batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, "dp"))
+    batch_sharding = rows if recipe.accumulate_grad_batches == 1 else NamedSharding(mesh, P(None, DATA_AXIS))
     # remat honoured on XLA:CPU too (compiler_options.py)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,),
@@ -339,7 +341,7 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
         return out
 
     def shape_of(n):  # data shards with n model shards
-        return make_mesh(n).shape["dp"]
+        return make_mesh(n).shape[DATA_AXIS]
 
     remembered = where = None
     if memory is not None:  # the first batch, collated once: tracing takes it from here

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..data import BatchMaker, check_collated, padded_batches, prefetch, take
+from ..data import BatchMaker, check_collated, global_batch_size, padded_batches, prefetch, take
 from ..errors import LossError
 from ..multihost.heartbeat import heartbeat
 from ..multihost.host import to_host
@@ -103,7 +103,7 @@ class EvalRun:
 
 def first_eval_batch(examples: Sequence, collate_fn: Callable, per_device_batch_size: int, mesh):
     """The first evaluation batch on ``mesh`` (padded as the evaluation pads it)."""
-    n = per_device_batch_size * mesh.shape["dp"]
+    n = global_batch_size(per_device_batch_size, mesh)
     indices = np.minimum(np.arange(n), len(examples) - 1)
     return BatchMaker(mesh, collate_fn, n).make(examples, indices)
 

@@ -23,10 +23,11 @@ import warnings
 import jax
 from jax.sharding import PartitionSpec as P
 
+from .axes import DATA_AXIS, MODEL_AXIS
 from .paths import path_to_str, path_to_tuple
 
-MODEL_AXES = ("mp", "model", "tensor", "tp")
-DATA_AXES = ("dp", "data", "fsdp", "batch")
+MODEL_AXES = (MODEL_AXIS, "model", "tensor", "tp")
+DATA_AXES = (DATA_AXIS, "data", "fsdp", "batch")
 NNX_KEYS = ("out_sharding", "sharding_names", "sharding")  # newest Flax first
 REASON = "annotation"
 
@@ -139,7 +140,7 @@ def _resolved(names: tuple, rules, source: str) -> Annotation:
 def _mesh_axis(name):
     """'mp' or 'dp' for a mesh axis name redcoast knows, else None."""
     if name in MODEL_AXES:
-        return "mp"
+        return MODEL_AXIS
     if name in DATA_AXES:
-        return "dp"
+        return DATA_AXIS
     return None

@@ -11,10 +11,10 @@ from collections import Counter
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .axes import MODEL_AXIS
 from .paths import leaves_in_written_order
 from .rules import Placement
 
-MP = "mp"
 EMBEDDING_NAMES = ("embed", "wte", "wpe", "embedding")
 KERNEL_NAMES = ("kernel", "weight", "w")
 BIAS_NAMES = ("bias", "b")
@@ -46,7 +46,7 @@ def _split(shape, axis, n, what):
         return P(), "replicated (one model shard)"
     if shape[axis] % n:
         return P(), f"replicated: {what} dimension {shape[axis]} is not divisible by {n} shards"
-    return P(*([None] * axis + [MP])), f"{what} split over {n} shards"
+    return P(*([None] * axis + [MODEL_AXIS])), f"{what} split over {n} shards"
 
 
 def _is_embedding(path, shape):

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import kv_repeat
 from .auto import model_width
+from .axes import MODEL_AXIS
 from .context import laid_out_for
 from .grouped_axes import grouped
 from .jaxpr_tools import output_axes, scan_operand_groups
@@ -49,7 +50,6 @@ from .paths import leaves_in_written_order, leaves_with_paths
 from .rules import Placement
 from .split_ends import KEPT, REDUCED, SplitEnds
 
-MP = "mp"
 MAX_ROUNDS = 100
 _MET_REPLICATED = "its split output is added to a replicated activation"
 _DEBUG = bool(__import__("os").environ.get("REDCOAST_DATAFLOW_DEBUG"))
@@ -1288,10 +1288,10 @@ def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_head
     for path, x in leaves:
         i = index[path]
         axis, reason = analysis.placement(i)
-        spec = P() if axis is None else P(*([None] * axis + [MP]))
+        spec = P() if axis is None else P(*([None] * axis + [MODEL_AXIS]))
         if i in kv_groups:
             axis, groups = kv_groups[i]
-            spec = P(*([None] * axis + [grouped(MP, groups)]))
+            spec = P(*([None] * axis + [grouped(MODEL_AXIS, groups)]))
             reason = (f"K/V heads (axis {axis}, size {shapes[i][axis]}) over {groups} groups of "
                       f"{n // groups} shards: fewer heads than shards, each group keeps the heads "
                       "its query heads read")

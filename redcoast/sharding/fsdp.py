@@ -15,11 +15,10 @@ replicated over 'dp'.
 import dataclasses
 
 from .annotations import REASON as ANNOTATION
+from .axes import DATA_AXIS, MODEL_AXIS
 from .grouped_axes import parse as parse_grouped
 from .rules import _as_tuple
 
-DP = "dp"
-MP = "mp"
 KEPT = "; replicated over dp (by cost: see the FSDP line under the table)"
 
 
@@ -32,11 +31,11 @@ def ungrouped_storage(placements, n_model_shards):
     for pl in placements:
         spec = tuple(pl.spec)
         grouped = [d for d, axes in enumerate(spec)
-                   if isinstance(axes, str) and parse_grouped(axes)[1] and parse_grouped(axes)[0] == MP]
+                   if isinstance(axes, str) and parse_grouped(axes)[1] and parse_grouped(axes)[0] == MODEL_AXIS]
         if pl.reason != "user rule" and not pl.reason.startswith(ANNOTATION) and n_model_shards > 1 and len(grouped) == 1 and pl.shape[grouped[0]] % n_model_shards == 0:
             d = grouped[0]
             why = f"; stored split over all {n_model_shards} model shards, gathered to {spec[d]} where used"
-            pl = dataclasses.replace(pl, spec=spec[:d] + (MP,) + spec[d + 1:], reason=pl.reason + why)
+            pl = dataclasses.replace(pl, spec=spec[:d] + (MODEL_AXIS,) + spec[d + 1:], reason=pl.reason + why)
         out.append(pl)
     return out
 
@@ -63,14 +62,14 @@ def gather_group(pl, n_data_shards, n_model_shards=1):
     out = added_dp(pl, n_data_shards, n_model_shards)
     if out.spec == pl.spec:
         return None
-    both = any(_as_tuple(axes) == (DP, MP) for axes in out.spec)
+    both = any(_as_tuple(axes) == (DATA_AXIS, MODEL_AXIS) for axes in out.spec)
     return n_data_shards * (n_model_shards if both else 1)
 
 
 def added_dp(pl, n, n_model):
     """``pl`` with 'dp' added to one dimension (see fsdp_placements), or as it is."""
     spec = list(pl.spec) + [None] * (len(pl.shape) - len(pl.spec))
-    if any(DP in _as_tuple(axes) for axes in spec) or pl.reason.startswith(ANNOTATION):
+    if any(DATA_AXIS in _as_tuple(axes) for axes in spec) or pl.reason.startswith(ANNOTATION):
         return pl  # as the user wrote it
     largest = lambda dims: max(dims, key=lambda d: (pl.shape[d], -d))  # noqa: E731 - first on a tie
     # a split over groups of the model shards (K/V heads, grouped_axes.py) keeps 1/groups of the
@@ -80,7 +79,7 @@ def added_dp(pl, n, n_model):
         if both:
             dim = largest(both)
             spec = [None] * len(spec)
-            spec[dim] = (DP, MP)
+            spec[dim] = (DATA_AXIS, MODEL_AXIS)
             why = f"; dim {dim} split over all {n * n_model} devices (FSDP over dp and mp)"
             return dataclasses.replace(pl, spec=tuple(spec), reason=pl.reason + why)
     free = [d for d, axes in enumerate(spec) if axes is None and pl.shape[d] % n == 0]
@@ -88,6 +87,6 @@ def added_dp(pl, n, n_model):
         why = f"; replicated over dp (no unsplit dimension divisible by {n} data shards)"
         return dataclasses.replace(pl, reason=pl.reason + why)
     dim = largest(free)
-    spec[dim] = DP
+    spec[dim] = DATA_AXIS
     why = f"; dim {dim} split over {n} data shards (FSDP)"
     return dataclasses.replace(pl, spec=tuple(spec), reason=pl.reason + why)

@@ -6,7 +6,7 @@ split over 'dp' and replicated over 'mp', with its kernel replicated, comes back
 ``jax.grad`` with size('mp') times its true kernel gradient (measured on jax 0.10.2 and 0.12.0.1,
 CPU: 4.000 on a 2 x 4 mesh, 2.000 on 4 x 2, right on 8 x 1 and 1 x 8; ungrouped convolutions are
 right). The loss is right, so nothing fires: the run just drifts from the one-device run.
-Per-example gradients of any convolution (``vmap`` of ``grad``, as DP-SGD computes them) are
+Per-example gradients of any convolution (``vmap`` of ``grad``, as DATA_AXIS-SGD computes them) are
 grouped convolutions too, the examples folded into the groups: on a data-parallel 8 x 1 mesh
 they come back wrong altogether (relative error 0.97 on jax 0.10.2; right on 4 x 2, 2 x 4 and
 1 x 8), which the layout check of examples/dp_sgd found.
@@ -40,12 +40,12 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from . import weight_origins
+from .axes import DATA_AXIS, MODEL_AXIS
 from .group_matmuls import conv_by_group_matmuls, split_groups_pin
 from .jaxpr_tools import bind
 from .paths import leaves_with_paths
 
 CONV = "conv_general_dilated"
-MODEL_AXIS = "mp"
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("checkpoint", "remat", "remat2")
 # bodies the partitioner never splits: the user's own shard_map is computed per device
@@ -210,7 +210,7 @@ def _guarded_call(eqn, vals, mesh, batch_axis, ins):
     return bind(eqn, vals)
 
 
-def guard_grouped_convs(fn, mesh, batch_axis="dp", plan=None):
+def guard_grouped_convs(fn, mesh, batch_axis=DATA_AXIS, plan=None):
     """``fn`` with every grouped convolution it traces run under ``shard_map`` on ``mesh``, so
     that its gradient is right under the partitioner (see the module docstring); ``fn``'s
     arguments and results are pytrees of arrays. ``plan`` (a RewritePlan, rewrite_plan.py, of

@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from .axes import MODEL_AXIS
 from .paths import path_to_str
 
 RATIO = 1.25
@@ -39,7 +40,7 @@ def _nbytes(pl):
 
 def megatron_share(placements, axis_sizes):
     """The :class:`Share` of ``placements`` (tensor-parallel, before FSDP) on ``axis_sizes``."""
-    n = axis_sizes.get("mp", 1)
+    n = axis_sizes.get(MODEL_AXIS, 1)
     held, megatron, whole = 0, 0.0, []
     for pl in placements:
         size, on_device = _nbytes(pl), pl.bytes_per_device(axis_sizes)
@@ -54,7 +55,7 @@ def megatron_share(placements, axis_sizes):
 
 def shortfall(placements, axis_sizes):
     """What to say when the plan holds over :data:`RATIO` times Megatron's share, else None."""
-    n = axis_sizes.get("mp", 1)
+    n = axis_sizes.get(MODEL_AXIS, 1)
     share = megatron_share(placements, axis_sizes)
     if n == 1 or share.ratio <= RATIO or not share.whole:
         return None

@@ -31,8 +31,9 @@ import jax
 from jax.extend import core as jcore
 
 from ..errors import ConfigError
+from .axes import MODEL_AXIS
 from .context import laid_out_for
-from .dataflow import MP, _abstract, _reshape_groups, dataflow_placements
+from .dataflow import _abstract, _reshape_groups, dataflow_placements
 from .jaxpr_tools import output_axes
 from .paths import leaves_with_paths, path_to_tuple
 
@@ -478,7 +479,7 @@ def split_permutations(permutations, placements):
     (the others would gain nothing from being stored permuted)."""
     spec = {pl.path: tuple(pl.spec) for pl in placements}
     return {path: p for path, p in permutations.items()
-            if len(spec.get(path, ())) > p.axis and spec[path][p.axis] == MP}
+            if len(spec.get(path, ())) > p.axis and spec[path][p.axis] == MODEL_AXIS}
 
 
 def _noted(placement, perm):

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 from ..errors import ConfigError
 from .annotations import annotations, warn_unresolved
 from .auto import auto_placements
+from .axes import DATA_AXIS, MODEL_AXIS
 from .fsdp import fsdp_placements, ungrouped_storage
 from .grouped_axes import entries as spec_entries
 from .grouped_axes import named_sharding
@@ -24,7 +25,7 @@ from .rules import (Placement, check_rules_format, check_spec_fits, expand_subtr
 def splits_over_model_shards(specs):
     """Whether any of ``specs`` (PartitionSpecs) splits a tensor over the model shards ('mp',
     or groups of them)."""
-    return any(parse_grouped(name)[0] == "mp" for spec in specs for name in spec_entries(spec))
+    return any(parse_grouped(name)[0] == MODEL_AXIS for spec in specs for name in spec_entries(spec))
 
 
 class ShardingPlan:
@@ -40,7 +41,7 @@ class ShardingPlan:
         placement splits them on that axis (``self.permutations``)."""
         self.mesh = mesh
         self.axis_sizes = dict(mesh.shape)
-        n_model_shards = self.axis_sizes.get("mp", 1)
+        n_model_shards = self.axis_sizes.get(MODEL_AXIS, 1)
         placements = base_placements or auto_placements(params, n_model_shards)
         annotated = annotations(params)  # the model's own sharding annotations, if any
         if annotated:
@@ -58,7 +59,7 @@ class ShardingPlan:
         self.before_fsdp = placements  # stored placements without FSDP: what fsdp_cost.py weighs
         self.fsdp_note = fsdp_note if fsdp else ""
         if fsdp:
-            placements = fsdp_placements(placements, self.axis_sizes.get("dp", 1),
+            placements = fsdp_placements(placements, self.axis_sizes.get(DATA_AXIS, 1),
                                          n_model_shards=n_model_shards, keep=frozenset(fsdp_keep))
         self.placements = placements
         by_path = {pl.path: pl.spec for pl in placements}
@@ -88,7 +89,7 @@ class ShardingPlan:
     def splits_over_model_shards(self):
         """Whether the step uses any parameter split over the model shards ('mp', or groups
         of them); with one model shard, True (nothing to decide)."""
-        if self.axis_sizes.get("mp", 1) == 1:
+        if self.axis_sizes.get(MODEL_AXIS, 1) == 1:
             return True
         return splits_over_model_shards([pl.spec for pl in self.compute_placements])
 
@@ -98,7 +99,7 @@ class ShardingPlan:
         shards; then the devices share that work, and there is nothing to say."""
         if frozen_split or self.splits_over_model_shards():
             return None
-        n = self.axis_sizes["mp"]
+        n = self.axis_sizes[MODEL_AXIS]
         return (f"the model has nothing to split over {n} model shards: every device repeats the "
                 "same work; use n_model_shards=1 or 'auto'")
 

@@ -10,7 +10,7 @@ may be placed differently.
 import dataclasses
 
 from ..errors import ConfigError
-from .dataflow import MP
+from .axes import DATA_AXIS, MODEL_AXIS
 from .grouped_axes import parse as parse_grouped
 from .paths import path_to_str
 
@@ -55,7 +55,7 @@ class RewritePlan:
         return cls.from_placements(plan.compute_placements, plan.mesh)
 
     @classmethod
-    def from_placements(cls, placements, mesh=None, n_model_shards=None, axis_name=MP):
+    def from_placements(cls, placements, mesh=None, n_model_shards=None, axis_name=MODEL_AXIS):
         """From one :class:`~redcoast.sharding.rules.Placement` per parameter leaf and the
         mesh's 'mp' and 'dp' sizes (or ``n_model_shards`` without a mesh). A split over several
         mesh axes at once (FSDP's ('dp', 'mp')) is not a split over the model shards: not
@@ -75,7 +75,7 @@ class RewritePlan:
                     if name == axis_name:
                         axes.append((axis, groups))
             weights.append(WeightSplit(tuple(pl.path), tuple(pl.shape), tuple(axes)))
-        return cls(blocks=blocks, mesh=mesh, data_shards=sizes.get("dp", 1), weights=tuple(weights))
+        return cls(blocks=blocks, mesh=mesh, data_shards=sizes.get(DATA_AXIS, 1), weights=tuple(weights))
 
     @property
     def knows_placements(self):
