@@ -33,7 +33,7 @@ from jax.extend import core as jcore
 from ..errors import ConfigError
 from .axes import MODEL_AXIS
 from .context import laid_out_for
-from .dataflow import _abstract, _reshape_groups, dataflow_placements
+from .dataflow import abstract_tree, dataflow_placements, reshape_groups
 from .jaxpr_tools import output_axes
 from .paths import leaves_with_paths, path_to_tuple
 
@@ -135,7 +135,7 @@ def _moved(eqn, axis):
     if name == "squeeze":
         dims = {d % len(a_shape) for d in eqn.params["dimensions"]}
         return None if axis in dims else [i for i in range(len(a_shape)) if i not in dims].index(axis)
-    for gi, gj in _reshape_groups(a_shape, b_shape):  # reshape, expand_dims
+    for gi, gj in reshape_groups(a_shape, b_shape):  # reshape, expand_dims
         if axis in gi:
             big_i = [i for i in gi if a_shape[i] > 1]
             big_j = [j for j in gj if b_shape[j] > 1]
@@ -324,7 +324,7 @@ def find_fused_projections(fn, params, *example_args, n_model_shards):
     if n == 1:
         return {}
     flat = leaves_with_paths(params)
-    closed = jax.make_jaxpr(laid_out_for(fn, n, vendor_kernels=False))(_abstract(params), *_abstract(example_args))
+    closed = jax.make_jaxpr(laid_out_for(fn, n, vendor_kernels=False))(abstract_tree(params), *abstract_tree(example_args))
     analysis = _Analysis()
     ins = [_View(i, tuple(range(len(_shape(v))))) if i < len(flat) else None
            for i, v in enumerate(closed.jaxpr.invars)]
