@@ -17,7 +17,7 @@ from redcoast import Deployer, Trainer
 from redcoast.models import Model, bart, bert, gpt2, gptj, llama, opt, t5, vit
 from redcoast.sharding import dataflow
 from redcoast.sharding.dataflow import FALLBACK, DataflowError, traced_placements
-from redcoast.sharding.jaxpr_tools import scan_operand_groups
+from redcoast.sharding.interpreter import scan_operand_groups
 
 from architectures import ARCHITECTURES
 

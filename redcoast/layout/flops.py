@@ -17,7 +17,8 @@ import math
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
+
+from ..sharding.interpreter import sub_programs, total
 
 DOT = "dot_general"
 CONV = "conv_general_dilated"
@@ -49,14 +50,6 @@ def conv_flops(eqn):
     return 2.0 * out[out_spec[0]] * out[out_spec[1]] * rhs[rhs_spec[1]] * taps
 
 
-def _as_jaxpr(value):
-    if isinstance(value, jex_core.ClosedJaxpr):
-        return value.jaxpr
-    if isinstance(value, jex_core.Jaxpr):
-        return value
-    return None
-
-
 def _shard_map_devices(params):
     """The devices a ``shard_map`` body runs on: the mesh's size over its manual axes."""
     mesh = params["mesh"]
@@ -74,31 +67,27 @@ def _shard_map_devices(params):
     return math.prod(shape[a] for a in axes)
 
 
+def _flops(eqn, total_of):
+    """One equation's FLOPs (``total_of``: a sub-program's, counted the same way)."""
+    name = eqn.primitive.name
+    if name == DOT:
+        return dot_general_flops(eqn)
+    if name == CONV:
+        return conv_flops(eqn)
+    if name == "cond":
+        return max(total_of(b) for b in eqn.params["branches"])
+    if name == "scan":
+        return eqn.params["length"] * total_of(eqn.params["jaxpr"])
+    if name == "shard_map":
+        return _shard_map_devices(eqn.params) * total_of(eqn.params["jaxpr"])
+    # jit, remat, custom derivatives (their primal program: the rules are callables), while
+    # (body and condition once), ...: every sub-program they hold runs once
+    return sum(total_of(sub) for _, _, sub in sub_programs(eqn))
+
+
 def jaxpr_flops(jaxpr):
     """Matrix-product and convolution FLOPs of one run of ``jaxpr`` (a Jaxpr or ClosedJaxpr)."""
-    jaxpr = _as_jaxpr(jaxpr)
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == DOT:
-            total += dot_general_flops(eqn)
-        elif name == CONV:
-            total += conv_flops(eqn)
-        elif name == "cond":
-            total += max(jaxpr_flops(b) for b in eqn.params["branches"])
-        elif name == "scan":
-            total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"])
-        elif name == "shard_map":
-            total += _shard_map_devices(eqn.params) * jaxpr_flops(eqn.params["jaxpr"])
-        else:  # jit, remat, custom derivatives (their primal program: the rules are callables),
-            # while (body and condition once), ...: every sub-program they hold runs once
-            for value in eqn.params.values():
-                values = value if isinstance(value, (tuple, list)) else (value,)
-                for v in values:
-                    sub = _as_jaxpr(v)
-                    if sub is not None:
-                        total += jaxpr_flops(sub)
-    return total
+    return float(total(jaxpr, _flops))
 
 
 def traced_flops(fn, *args):

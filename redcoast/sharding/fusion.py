@@ -29,11 +29,10 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import kv_repeat, weight_origins
-from .jaxpr_tools import bind, output_axes, read_once, readers
+from .interpreter import CALLS, bind, evaluate, output_axes, read_once, readers, rerun_inside
 from .paths import leaves_with_paths
 from .rewrite_plan import RewritePlan, WeightSplit
 
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
 
 
 def _split_along(plan, origins, v, axes):
@@ -517,19 +516,11 @@ class _Bound:
 
 
 def _eval_inline(jaxpr, consts, args):
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-        vals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _INLINE:
-            sub = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
-            outs = _eval_inline(sub.jaxpr, sub.consts, vals) if hasattr(sub, "jaxpr") else _eval_inline(sub, (), vals)
-        else:
-            outs = _bind(eqn, vals)
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    def inlined(eqn, vals):
+        if eqn.primitive.name in CALLS:
+            return rerun_inside(eqn, vals, _eval_inline)
+        return _bind(eqn, vals)
+    return evaluate(jaxpr, args, inlined, consts=consts)
 
 
 def fuse_sibling_matmuls(fn, plan=RewritePlan()):

@@ -42,14 +42,11 @@ from jax.sharding import PartitionSpec as P
 from . import weight_origins
 from .axes import DATA_AXIS, MODEL_AXIS
 from .group_matmuls import conv_by_group_matmuls, split_groups_pin
-from .jaxpr_tools import bind
+from .interpreter import (CALLS, PER_DEVICE, REMATS, bind, evaluate, rerun_inside, retraced,
+                          sub_programs, total)
 from .paths import leaves_with_paths
 
 CONV = "conv_general_dilated"
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
-_REMAT = ("checkpoint", "remat", "remat2")
-# bodies the partitioner never splits: the user's own shard_map is computed per device
-_LOCAL = ("shard_map", "xla_pmap")
 
 
 def is_grouped_conv(eqn):
@@ -58,32 +55,18 @@ def is_grouped_conv(eqn):
                                            or eqn.params["batch_group_count"] > 1)
 
 
-def sub_jaxprs(eqn):
-    """``[(param name, index or None, Jaxpr or ClosedJaxpr)]``: the programs ``eqn`` holds."""
-    out = []
-    for name, value in eqn.params.items():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        for i, item in enumerate(items):
-            if isinstance(item, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-                out.append((name, i if isinstance(value, (tuple, list)) else None, item))
-    return out
-
-
-def _open(j):
-    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+def _grouped(eqn, found_in):
+    if is_grouped_conv(eqn):
+        return [eqn]
+    if eqn.primitive.name in PER_DEVICE:  # the user's own shard_map: never partitioned
+        return []
+    return [conv for _, _, sub in sub_programs(eqn) for conv in found_in(sub)]
 
 
 def grouped_convs(jaxpr):
     """The grouped convolutions of ``jaxpr`` (a Jaxpr or ClosedJaxpr) and of every program it
     holds, except those inside a ``shard_map`` (computed per device, never partitioned)."""
-    found = []
-    for eqn in _open(jaxpr).eqns:
-        if is_grouped_conv(eqn):
-            found.append(eqn)
-        elif eqn.primitive.name not in _LOCAL:
-            for _, _, sub in sub_jaxprs(eqn):
-                found.extend(grouped_convs(sub))
-    return found
+    return total(jaxpr, _grouped, start=[])
 
 
 def channels_split(eqn, kernel_origin, mesh, model_axis=MODEL_AXIS):
@@ -136,32 +119,18 @@ def _varying(x, axis):
 def _evaluate(jaxpr, consts, args, mesh, batch_axis, arg_origins=None):
     """Run ``jaxpr`` with its grouped convolutions guarded (see the module docstring);
     ``arg_origins``: the parameter each of ``args`` carries, or None (weight_origins.py)."""
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
     origins = weight_origins.propagate(jaxpr, arg_origins or [None] * len(jaxpr.invars))
 
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        vals = [read(v) for v in eqn.invars]
+    def guarded(eqn, vals):
         ins = [weight_origins.of(origins, v) for v in eqn.invars]
         if is_grouped_conv(eqn):
             guard = _conv_on_split_channels if channels_split(eqn, ins[1], mesh) else _conv_on_mesh
-            outs = [guard(eqn, *vals, mesh, batch_axis)]
-        elif eqn.primitive.name not in _LOCAL and any(grouped_convs(s) for _, _, s in sub_jaxprs(eqn)):
-            outs = _guarded_call(eqn, vals, mesh, batch_axis, ins)
-        else:
-            outs = bind(eqn, vals)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+            return [guard(eqn, *vals, mesh, batch_axis)]
+        if eqn.primitive.name not in PER_DEVICE and any(grouped_convs(s) for _, _, s in sub_programs(eqn)):
+            return _guarded_call(eqn, vals, mesh, batch_axis, ins)
+        return None
 
-
-def _guarded_closed(closed, mesh, batch_axis, arg_origins):
-    """The same ClosedJaxpr with its grouped convolutions guarded."""
-    def run(*args):
-        return _evaluate(closed.jaxpr, closed.consts, args, mesh, batch_axis, arg_origins)
-    return jax.make_jaxpr(run)(*[v.aval for v in closed.jaxpr.invars])
+    return evaluate(jaxpr, args, guarded, consts=consts)
 
 
 def _body_origins(eqn, key, ins):
@@ -181,21 +150,14 @@ def _guarded_call(eqn, vals, mesh, batch_axis, ins):
     """An equation holding a grouped convolution in a sub-program, run with it guarded
     (``ins``: the origins of its operands)."""
     name = eqn.primitive.name
-    if name in _INLINE:
-        sub = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
-        if isinstance(sub, jcore.ClosedJaxpr):
-            return _evaluate(sub.jaxpr, sub.consts, vals, mesh, batch_axis, ins)
-        return _evaluate(sub, (), vals, mesh, batch_axis, ins)
-    if name in _REMAT and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr):
-        body = eqn.params["jaxpr"]  # rematerialised as before, guarded inside
-        run = jax.checkpoint(lambda *a: _evaluate(body, (), a, mesh, batch_axis, ins),
-                             prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
-        with eqn.ctx.manager:
-            return list(run(*vals))
+    run_body = lambda j, c, a: _evaluate(j, c, a, mesh, batch_axis, ins)  # noqa: E731
+    if name in CALLS or (name in REMATS and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr)):
+        return rerun_inside(eqn, vals, run_body)  # a remat body rematerialised as before
     if name in ("scan", "while", "cond"):  # loop and branch bodies: ClosedJaxprs, replaced
         params = dict(eqn.params)
-        for key, i, sub in sub_jaxprs(eqn):
-            guarded = _guarded_closed(sub, mesh, batch_axis, _body_origins(eqn, key, ins))
+        for key, i, sub in sub_programs(eqn):
+            origins = _body_origins(eqn, key, ins)
+            guarded = retraced(sub, lambda j, c, a, o=origins: _evaluate(j, c, a, mesh, batch_axis, o))
             if i is None:
                 params[key] = guarded
             else:
@@ -206,7 +168,7 @@ def _guarded_call(eqn, vals, mesh, batch_axis, ins):
         f"a grouped convolution (feature_group_count > 1) inside '{name}' cannot be guarded by "
         "redcoast; XLA's partitioner may return its kernel gradient multiplied by the number of "
         "model shards. Check the layout with trainer.check_layout(examples), or use "
-        "n_model_shards=1.", stacklevel=4)
+        "n_model_shards=1.", stacklevel=6)  # the caller of the guarded function
     return bind(eqn, vals)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from .jaxpr_tools import output_axes, read_once, readers
+from .interpreter import output_axes, read_once, readers
 
 _ELEMENTWISE = frozenset("""
     add sub mul div neg max min exp exp2 log log1p expm1 tanh logistic sin cos sqrt rsqrt

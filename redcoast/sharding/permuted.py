@@ -34,11 +34,9 @@ from ..errors import ConfigError
 from .axes import MODEL_AXIS
 from .context import laid_out_for
 from .dataflow import abstract_tree, dataflow_placements, reshape_groups
-from .jaxpr_tools import output_axes
+from .interpreter import CALLS, REMATS, bind, called, evaluate, follow, opened, output_axes, rerun_inside
 from .paths import leaves_with_paths, path_to_tuple
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
-_REMAT = ("checkpoint", "remat", "remat2")
 _LAYOUT = ("convert_element_type", "copy", "copy_p", "reduce_precision", "transpose",
            "broadcast_in_dim", "reshape", "squeeze", "expand_dims")
 # same-shape ops that mix positions along an axis: not elementwise, whatever their shapes say
@@ -115,10 +113,11 @@ def _shape(v):
     return tuple(getattr(v.aval, "shape", ()))
 
 
-def _sub_jaxpr(eqn):
-    """(jaxpr, consts) of a call-like equation."""
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return (sub.jaxpr, sub.consts) if hasattr(sub, "jaxpr") else (sub, ())
+def _entered(eqn):
+    """Whether the stored layout follows ``eqn`` into its body: a call, or a remat whose body
+    is a plain Jaxpr."""
+    name = eqn.primitive.name
+    return name in CALLS or (name in REMATS and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr))
 
 
 def _moved(eqn, axis):
@@ -145,11 +144,15 @@ def _moved(eqn, axis):
 
 
 def _elementwise(eqn):
-    if len(eqn.outvars) != 1 or eqn.primitive.name in _NOT_ELEMENTWISE or _sub_jaxpr(eqn)[0] is not None:
+    if len(eqn.outvars) != 1 or eqn.primitive.name in _NOT_ELEMENTWISE or _has_body(eqn):
         return False
     out = _shape(eqn.outvars[0])
     return all(_shape(v) == () or (len(_shape(v)) == len(out) and all(
         a in (b, 1) for a, b in zip(_shape(v), out))) for v in eqn.invars)
+
+
+def _has_body(eqn):
+    return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")) is not None
 
 
 def _cut(eqn, axis):
@@ -189,22 +192,16 @@ class _Analysis:
                     self.refused.setdefault(leaf, reason)
 
     def walk(self, jaxpr, ins):
-        env = dict(zip(jaxpr.invars, ins))
-        read = lambda v: None if isinstance(v, jcore.Literal) else env.get(v)  # noqa: E731
-        for eqn in jaxpr.eqns:
-            states = [read(v) for v in eqn.invars]
-            if all(s is None for s in states):
-                outs = [None] * len(eqn.outvars)
-            else:
-                outs = self.step(eqn, states)
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
+        def step(eqn, states):
+            return [] if all(s is None for s in states) else self.step(eqn, states)
+        env = follow(jaxpr, ins, step)
+        return [env.get(v) if isinstance(v, jcore.Var) else None for v in opened(jaxpr)[0].outvars]
 
     def step(self, eqn, states):
         name = eqn.primitive.name
         none = [None] * len(eqn.outvars)
-        if name in _CALLS or (name in _REMAT and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr)):
-            return self.walk(_sub_jaxpr(eqn)[0], states)
+        if _entered(eqn):
+            return self.walk(opened(called(eqn))[0], states)
         if name in _LAYOUT:
             (s,) = states[:1]
             if isinstance(s, _View):
@@ -334,16 +331,6 @@ def find_fused_projections(fn, params, *example_args, n_model_shards):
 
 
 # ---- the rewrite ----------------------------------------------------------------------------------
-def _bind(eqn, vals):
-    params = eqn.primitive.get_bind_params(eqn.params)  # as jax.core.eval_jaxpr does
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-        vals = [*subfuns, *vals]
-    with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*vals, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
 def _part(x, axis, parts, shards, p):
     """Part ``p`` of a stored output permuted along ``axis``, in the user's layout: each shard's
     block (parts, width/shards) gives its slice of the part, so no data crosses shards."""
@@ -365,42 +352,31 @@ def _run(jaxpr, consts, args, marks):
     """Evaluate ``jaxpr``; ``marks[i]``: (axis, (parts, shards)) of an input stored permuted
     along that axis, or None.
     Returns (outputs, their marks)."""
-    env, mark = dict(zip(jaxpr.constvars, consts)), {}
-    for v, x, m in zip(jaxpr.invars, args, marks):
-        env[v] = x
-        if m is not None:
-            mark[v] = m
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+    mark = {v: m for v, m in zip(jaxpr.invars, marks) if m is not None}
     get = lambda v: None if isinstance(v, jcore.Literal) else mark.get(v)  # noqa: E731
-    for eqn in jaxpr.eqns:
-        vals, ms = [read(v) for v in eqn.invars], [get(v) for v in eqn.invars]
+
+    def marked(eqn, vals):
+        ms = [get(v) for v in eqn.invars]
         if all(m is None for m in ms):
-            outs, out_marks = _bind(eqn, vals), [None] * len(eqn.outvars)
-        else:
-            outs, out_marks = _run_marked(eqn, vals, ms)
-        for v, x, m in zip(eqn.outvars, outs, out_marks):
-            env[v] = x
-            if m is not None:
-                mark[v] = m
-    return [read(v) for v in jaxpr.outvars], [get(v) for v in jaxpr.outvars]
+            return None
+        outs, out_marks = _run_marked(eqn, vals, ms)
+        mark.update((v, m) for v, m in zip(eqn.outvars, out_marks) if m is not None)
+        return outs
+
+    outs = evaluate(jaxpr, args, marked, consts=consts)
+    return outs, [get(v) for v in jaxpr.outvars]
 
 
 def _run_marked(eqn, vals, ms):
     name = eqn.primitive.name
-    if name in _CALLS:  # inlined: the call's body sees the stored layout
-        sub, consts = _sub_jaxpr(eqn)
-        return _run(sub, consts, vals, ms)
-    if name in _REMAT and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr):
-        body, found = eqn.params["jaxpr"], {}
+    if _entered(eqn):  # a call inlined, a remat still one: the body sees the stored layout
+        found = {}
 
-        def body_fn(*a):
-            outs, found["marks"] = _run(body, (), a, ms)
+        def body(jaxpr, consts, args):
+            outs, found["marks"] = _run(jaxpr, consts, args, ms)
             return outs
-        run = jax.checkpoint(body_fn, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
-        with eqn.ctx.manager:
-            outs = list(run(*vals))
-        return outs, found["marks"]
-    outs = _bind(eqn, vals) if name != "split" and name != "slice" else None
+        return rerun_inside(eqn, vals, body), found["marks"]
+    outs = bind(eqn, vals) if name != "split" and name != "slice" else None
     if name in _LAYOUT and ms[0] is not None:
         axis = _moved(eqn, ms[0][0])
         if axis is None:

@@ -23,13 +23,10 @@ program's own remat bodies). Every other parameter, and every other use, is left
 """
 
 import jax
-from jax.extend import core as jcore
 
 from . import weight_origins
-from .scanned_weights import _run_gathering
-
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
-_REMAT = ("checkpoint", "remat", "remat2")
+from .interpreter import CALLS, REMATS, called, follow
+from .scanned_weights import run_gathering
 # reading a parameter through these is not a use: they make a view of it (weight_origins)
 _VIEWS = ("convert_element_type", "copy", "copy_p", "sharding_constraint", "reduce_precision")
 
@@ -41,24 +38,21 @@ def rematerialised_leaves(closed, weights):
     index = {w.path: i for i, w in enumerate(weights)}
     in_remat, elsewhere = set(), set()
 
-    def visit(jaxpr, origins_in):
-        origins = weight_origins.propagate(jaxpr, origins_in)
-        for eqn in jaxpr.eqns:
-            ins = [weight_origins.of(origins, v) for v in eqn.invars]
-            name = eqn.primitive.name
-            read = {index[o.weight.path]: o for o in ins if o is not None}
-            if name in _REMAT:
-                for i, o in read.items():
-                    whole = o.axes == tuple(range(len(o.weight.shape)))
-                    (in_remat if whole else elsewhere).add(i)
-            elif name in _INLINE:
-                sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                visit(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub, ins)
-            elif name not in _VIEWS:
-                elsewhere.update(read)
+    def reads(eqn, ins):
+        name = eqn.primitive.name
+        read = {index[o.weight.path]: o for o in ins if o is not None}
+        if name in REMATS:
+            for i, o in read.items():
+                whole = o.axes == tuple(range(len(o.weight.shape)))
+                (in_remat if whole else elsewhere).add(i)
+        elif name in CALLS:
+            follow(called(eqn), ins, reads)
+        elif name not in _VIEWS:
+            elsewhere.update(read)
+        return weight_origins.through(eqn, ins)
 
     rest = [None] * (len(closed.jaxpr.invars) - len(weights))
-    visit(closed.jaxpr, weight_origins.of_weights(weights) + rest)
+    follow(closed.jaxpr, weight_origins.of_weights(weights) + rest, reads)
     return in_remat - elsewhere
 
 
@@ -71,7 +65,7 @@ def gather_in_remat(fn, mesh, computed):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         flat = jax.tree_util.tree_leaves(args)
         used = {closed.jaxpr.invars[i]: spec for i, spec in computed.items()}
-        outs = _run_gathering(closed.jaxpr, closed.consts, flat, used, mesh)
+        outs = run_gathering(closed.jaxpr, closed.consts, flat, used, mesh)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return rewritten
 

@@ -29,10 +29,8 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from . import grouped_axes, weight_origins
-from .jaxpr_tools import bind, scan_operand_groups
-
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
-_REMAT = ("checkpoint", "remat", "remat2")
+from .interpreter import (CALLS, REMATS, bind, called, evaluate, follow, opened, rerun_inside,
+                          scan_operand_groups)
 
 
 def scanned_leaves(closed, weights):
@@ -42,18 +40,16 @@ def scanned_leaves(closed, weights):
     index = {w.path: i for i, w in enumerate(weights)}
     found = set()
 
-    def visit(jaxpr, origins_in):
-        origins = weight_origins.propagate(jaxpr, origins_in)
-        for eqn in jaxpr.eqns:
-            ins = [weight_origins.of(origins, v) for v in eqn.invars]
-            if eqn.primitive.name == "scan":
-                found.update(index[o.weight.path] for _, o in _scanned_weights(eqn, ins))
-            elif eqn.primitive.name in _INLINE:
-                sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                visit(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub, ins)
+    def scans(eqn, ins):
+        if eqn.primitive.name == "scan":
+            found.update(index[o.weight.path] for _, o in _scanned_weights(eqn, ins))
+        elif eqn.primitive.name in CALLS:
+            follow(called(eqn), ins, scans)
+        return weight_origins.through(eqn, ins)
 
     n = len(weights)
-    visit(closed.jaxpr, weight_origins.of_weights(weights) + [None] * (len(closed.jaxpr.invars) - n))
+    follow(closed.jaxpr, weight_origins.of_weights(weights) + [None] * (len(closed.jaxpr.invars) - n),
+           scans)
     return found
 
 
@@ -82,32 +78,22 @@ def gather_layer_by_layer(fn, mesh, weights, layer_specs):
 
 def _evaluate(jaxpr, consts, args, arg_origins, mesh, weights, layer_specs):
     index = {w.path: i for i, w in enumerate(weights)}
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
     origins = weight_origins.propagate(jaxpr, arg_origins)
 
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        vals = [read(v) for v in eqn.invars]
+    def layer_by_layer(eqn, vals):
         ins = [weight_origins.of(origins, v) for v in eqn.invars]
         name = eqn.primitive.name
         if name == "scan":
             specs = {k: layer_specs[index[o.weight.path]] for k, o in _scanned_weights(eqn, ins)
                      if index[o.weight.path] in layer_specs}
-            outs = bind(eqn, vals, dict(eqn.params, jaxpr=_constrained_body(
-                eqn.params["jaxpr"], specs, mesh))) if specs else bind(eqn, vals)
-        elif name in _INLINE:
-            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if isinstance(sub, jcore.ClosedJaxpr):
-                outs = _evaluate(sub.jaxpr, sub.consts, vals, ins, mesh, weights, layer_specs)
-            else:
-                outs = _evaluate(sub, (), vals, ins, mesh, weights, layer_specs)
-        else:
-            outs = bind(eqn, vals)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+            return bind(eqn, vals, dict(eqn.params, jaxpr=_constrained_body(
+                eqn.params["jaxpr"], specs, mesh))) if specs else None
+        if name in CALLS:
+            return rerun_inside(eqn, vals, lambda j, c, a: _evaluate(j, c, a, ins, mesh, weights,
+                                                                     layer_specs))
+        return None
+
+    return evaluate(jaxpr, args, layer_by_layer, consts=consts)
 
 
 def _constrained_body(closed, specs, mesh):
@@ -117,7 +103,7 @@ def _constrained_body(closed, specs, mesh):
     def body(*args):
         args = [_pinned(a, mesh, specs[k][0]) if k in specs else a for k, a in enumerate(args)]
         used = {closed.jaxpr.invars[k]: spec[1] for k, spec in specs.items()}
-        return _run_gathering(closed.jaxpr, closed.consts, args, used, mesh)
+        return run_gathering(closed.jaxpr, closed.consts, args, used, mesh)
     return jax.make_jaxpr(body)(*[v.aval for v in closed.jaxpr.invars])
 
 
@@ -127,45 +113,32 @@ def _pinned(x, mesh, spec):
     return jax.lax.with_sharding_constraint(x, grouped_axes.named_sharding(mesh, P(*spec)))
 
 
-def _run_gathering(jaxpr, consts, args, used, mesh):
+def run_gathering(jaxpr, consts, args, used, mesh):
     """``jaxpr`` evaluated on ``args``, each variable of ``used`` (``{Var: computed spec}``)
     constrained to its spec where an equation reads it; calls and rematerialised bodies that
     read one are entered, so that the gather is rematerialised with the body."""
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
     gathered = {}
 
-    def read(v, gather=True):
-        if isinstance(v, jcore.Literal):
-            return v.val
-        if gather and v in used:
+    def read(v, x):
+        if isinstance(v, jcore.Var) and v in used:
             if v not in gathered:  # one constraint, however many readers
-                gathered[v] = _pinned(env[v], mesh, used[v])
+                gathered[v] = _pinned(x, mesh, used[v])
             return gathered[v]
-        return env[v]
+        return x
 
-    for eqn in jaxpr.eqns:
+    def gathering(eqn, vals):
         name = eqn.primitive.name
         reads = [isinstance(v, jcore.Var) and v in used for v in eqn.invars]
-        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        if any(reads) and name in _INLINE + _REMAT:
-            if isinstance(sub, jcore.ClosedJaxpr):
-                sub, sub_consts = sub.jaxpr, sub.consts
-            else:
-                sub, sub_consts = sub, ()
-            if sub.constvars and not sub_consts:
-                raise NotImplementedError(
-                    f"a '{name}' equation whose body has constants of its own, a form of JAX's "
-                    "programs redcoast does not know (sharding/scanned_weights.py)")
-            inner = {iv: used[v] for v, iv, r in zip(eqn.invars, sub.invars, reads) if r}
-            vals = [read(v, gather=False) for v in eqn.invars]
-            run = lambda *a, sub=sub, c=sub_consts, inner=inner: _run_gathering(sub, c, a, inner, mesh)  # noqa: E731
-            if name in _REMAT:
-                run = jax.checkpoint(run, prevent_cse=eqn.params["prevent_cse"],
-                                     policy=eqn.params["policy"])
-            with eqn.ctx.manager:
-                outs = list(run(*vals))
-        else:
-            outs = bind(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+        if not (any(reads) and name in CALLS | REMATS):
+            return bind(eqn, [read(v, x) for v, x in zip(eqn.invars, vals)])
+        sub, sub_consts = opened(called(eqn))
+        if sub.constvars and not sub_consts:
+            raise NotImplementedError(
+                f"a '{name}' equation whose body has constants of its own, a form of JAX's "
+                "programs redcoast does not know (sharding/scanned_weights.py)")
+        inner = {iv: used[v] for v, iv, r in zip(eqn.invars, sub.invars, reads) if r}
+        return rerun_inside(eqn, vals, lambda j, c, a: run_gathering(j, c, a, inner, mesh),
+                            in_context=True)
+
+    outs = evaluate(jaxpr, args, gathering, consts=consts)
+    return [read(v, x) for v, x in zip(jaxpr.outvars, outs)]

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 from jax.extend import core as jcore
 
-from .jaxpr_tools import scan_operand_groups
+from .interpreter import follow, scan_operand_groups
 
 # the same values, or a view of them: the output's axes are the input's
 _SAME = frozenset(("convert_element_type", "copy", "copy_p", "sharding_constraint",
@@ -58,13 +58,7 @@ def of(origins, v):
 def propagate(jaxpr, invar_origins):
     """{variable: Origin} for the variables of the flat ``jaxpr`` that carry a parameter, given
     the origins (or None) of its invars."""
-    origins = {v: o for v, o in zip(jaxpr.invars, invar_origins) if o is not None}
-    for eqn in jaxpr.eqns:
-        ins = [of(origins, v) for v in eqn.invars]
-        for v, o in zip(eqn.outvars, _outputs(eqn, ins)):
-            if o is not None:
-                origins[v] = o
-    return origins
+    return follow(jaxpr, invar_origins, through)
 
 
 def scan_body(eqn, ins):
@@ -83,7 +77,9 @@ def scan_body(eqn, ins):
     return out
 
 
-def _outputs(eqn, ins):
+def through(eqn, ins):
+    """The origins of ``eqn``'s outputs from its operands' (``ins``): a view keeps its
+    parameter, with its axes renumbered; anything else makes none (an empty list)."""
     name = eqn.primitive.name
     if name in _SAME:
         return ins

@@ -8,6 +8,7 @@ import os
 import numpy as np
 from jax.extend import core as jcore
 
+from ..interpreter import follow, opened
 from ..split_ends import KEPT, SplitEnds
 from .values import CONST, DataflowError, Par, Rep, Split, all_axes, shape_of
 
@@ -148,31 +149,23 @@ class Analysis:
 
     # ---- evaluation ------------------------------------------------------------------------
     def eval_closed(self, closed, ins):
-        jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+        """The values of ``closed``'s outputs from its inputs' (``ins``); its constants and
+        literals are replicated constants."""
+        jaxpr = opened(closed)[0]
         self.jaxprs[id(jaxpr)] = jaxpr
-        env = {}
-        for v in jaxpr.constvars:
-            env[v] = CONST
-        for v, s in zip(jaxpr.invars, ins):
-            env[v] = s
 
-        def read(v):
-            if isinstance(v, jcore.Literal):
-                return CONST
-            return env.get(v, CONST)
-
-        for eqn in jaxpr.eqns:
-            states = [read(v) for v in eqn.invars]
+        def step(eqn, states):
+            states = [CONST if s is None else s for s in states]
             try:
-                outs = self.eval_eqn(eqn, states)
+                return self.eval_eqn(eqn, states)
             except DataflowError:
                 raise
             except Exception as e:  # noqa: BLE001 - named, then the caller keeps the shape rules
                 raise DataflowError(f"the analysis could not follow the operation "
                                     f"'{eqn.primitive.name}' ({type(e).__name__}: {e})") from e
-            for v, s in zip(eqn.outvars, outs):
-                env[v] = s
-        return [read(v) for v in jaxpr.outvars]
+
+        env = follow(jaxpr, ins, step)
+        return [env.get(v, CONST) if isinstance(v, jcore.Var) else CONST for v in jaxpr.outvars]
 
     def eval_eqn(self, eqn, ins):
         name = eqn.primitive.name

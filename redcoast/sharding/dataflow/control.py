@@ -1,7 +1,7 @@
 """Rules for control flow: scan (a recurrent cell when it applies the same weights at every
 step), while and cond. A loop carry keeps its placement from one iteration to the next."""
 
-from ..jaxpr_tools import scan_operand_groups
+from ..interpreter import scan_operand_groups
 from .values import Par, Rep, Split, all_axes, shape_of
 
 

@@ -11,7 +11,7 @@ its input, kernel and output channels split alike.
 
 import math
 
-from ..jaxpr_tools import output_axes
+from ..interpreter import output_axes
 from ..split_ends import KEPT
 from .values import CONST, Par, Rep, Split, all_axes, shape_of
 
