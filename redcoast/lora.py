@@ -96,13 +96,13 @@ class LoRA:
                 raise ConfigError(f"LoRA {name}={table!r}; it is a dict {{regex: value}}. Fix: "
                                   f"{name}={{'q_proj/kernel$': 4}}, say.")
             for pattern, value in table.items():
-                _compiled(pattern, f"LoRA {name} key")
+                _compiled_pattern(pattern, f"LoRA {name} key")
                 if not ok(value):
                     raise ConfigError(f"LoRA {name}[{pattern!r}]={value!r}; it is a "
                                       f"{'positive integer' if ok is _is_rank else 'number'}. "
                                       f"Fix: give each pattern of {name} a valid value.")
         for pattern in _patterns(self.modules_to_save):
-            _compiled(pattern, "LoRA modules_to_save")
+            _compiled_pattern(pattern, "LoRA modules_to_save")
 
     @property
     def scale(self):
@@ -296,7 +296,7 @@ def _patterns(value):
     return [value] if isinstance(value, str) else list(value)
 
 
-def _compiled(pattern, what):
+def _compiled_pattern(pattern, what):
     try:
         return re.compile(pattern)
     except (re.error, TypeError) as e:

@@ -7,13 +7,14 @@ import jax
 from .errors import ConfigError
 
 
-def _is_int(value):
+def is_integer(value):
+    """An integer, not a bool (numpy's integers count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def positive_int(name, value, hint=""):
     """``value`` must be an integer >= 1."""
-    if not _is_int(value) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ConfigError(f"{name}={value!r}; it must be a positive integer.{hint}")
     return int(value)
 
@@ -22,14 +23,14 @@ def optional_positive_int(name, value, hint=""):
     """None or 0 (off), or an integer >= 1."""
     if value is None:
         return None
-    if not _is_int(value) or value < 0:
+    if not is_integer(value) or value < 0:
         raise ConfigError(f"{name}={value!r}; it must be a positive integer, or None (or 0) for "
                           f"never.{hint}")
     return int(value)
 
 
 def non_negative_int(name, value):
-    if not _is_int(value) or value < 0:
+    if not is_integer(value) or value < 0:
         hint = " (None only with max_steps)" if name == "n_epochs" else ""
         raise ConfigError(f"{name}={value!r}; it must be an integer >= 0{hint}.")
     return int(value)
@@ -97,7 +98,7 @@ def trainer_args(collate_fn, loss_fn, optimizer, train_step_fn=None, params=None
                           "example at a time, the exact mean over examples), 'batch' (to whole "
                           "batches: a loss defined over the batch, such as a contrastive one) or "
                           "None (decided at the first evaluation).")
-    if not _is_int(accumulate_grad_batches) or accumulate_grad_batches < 1:
+    if not is_integer(accumulate_grad_batches) or accumulate_grad_batches < 1:
         raise ConfigError(f"accumulate_grad_batches={accumulate_grad_batches!r}; it must be a "
                           "positive integer.")
     tree_keys("params", params)

@@ -33,7 +33,7 @@ def _parser():
     parser.add_argument("--local-devices", type=positive_int, metavar="K",
                         help="devices per process: K simulated CPU devices on CPU; on GPUs, "
                              "process i drives GPUs i*K .. i*K+K-1")
-    parser.add_argument("--port", type=_port, help="coordinator port (default: a free one)")
+    parser.add_argument("--port", type=_port_arg, help="coordinator port (default: a free one)")
     parser.add_argument("--host0-address", default="127.0.0.1",
                         help="coordinator address (default 127.0.0.1)")
     parser.add_argument("--grace-period", type=seconds, default=5.0, metavar="S",
@@ -61,7 +61,7 @@ _TAKES_VALUE = {"-n", "--n-processes", "--local-devices", "--port", "--host0-add
                 "--grace-period", "--stall-timeout", "--exit-timeout", "--stop-timeout"}
 
 
-def _port(text):
+def _port_arg(text):
     """A TCP port number, or a usage error saying which."""
     try:
         port = int(text)

@@ -612,7 +612,7 @@ def main(argv):
     parser.add_argument("--devices", type=positive_int, required=True, help="devices in all")
     parser.add_argument("--hosts", type=positive_int, default=1,
                         help="hosts the devices are on, as many on each (default 1)")
-    parser.add_argument("--device-memory", type=_size, required=True,
+    parser.add_argument("--device-memory", type=_memory_arg, required=True,
                         help="per device, a number and a unit: e.g. 40GiB, 32GB")
     parser.add_argument("--seq-len", type=positive_int, required=True)
     parser.add_argument("--per-device-batch-size", type=positive_int, default=1,
@@ -689,7 +689,7 @@ def main(argv):
     return 0
 
 
-def _size(text):
+def _memory_arg(text):
     """``--device-memory``: bytes, or argparse's usage error naming the flag."""
     try:
         return parse_bytes(text)

@@ -12,10 +12,12 @@ pipeline); ``warmup_rate`` above 1 (a warmup longer than the run, so the peak ra
 reached) is not.
 """
 
+import difflib
 import math
 import re
 
 from ..errors import ConfigError
+from ..validate import is_integer
 
 
 def check_values(cfg) -> None:
@@ -41,7 +43,7 @@ def problems(cfg) -> list:
         """``value`` a positive integer (or None where ``optional``)."""
         if optional and value is None:
             return
-        need(_is_int(value) and value >= 1, path, value,
+        need(is_integer(value) and value >= 1, path, value,
              f"is not a positive number of {what}{because}", fix)
 
     # the data: every sequence cut to max_length tokens
@@ -97,16 +99,16 @@ def problems(cfg) -> list:
          "a fraction between 0 (no warmup) and 1, e.g. 0.1 for the first tenth of the updates")
     from ..schedules import SCHEDULE_TYPES
     need(o.schedule_type in SCHEDULE_TYPES, "optimizer.schedule_type", o.schedule_type,
-         "is not a schedule" + _did_you_mean(o.schedule_type, SCHEDULE_TYPES),
+         "is not a schedule" + did_you_mean(o.schedule_type, SCHEDULE_TYPES),
          f"one of {', '.join(SCHEDULE_TYPES)}")
     need(o.max_grad_norm is None or (_finite(o.max_grad_norm) and o.max_grad_norm > 0),
          "optimizer.max_grad_norm", o.max_grad_norm,
          "is not a gradient norm to clip to (0 or less would zero every update)",
          "a positive norm such as 1.0, or null for no clipping")
     # LoRA
-    need(_is_int(lo.rank) and lo.rank >= 0, "lora.rank", lo.rank, "is not a rank",
+    need(is_integer(lo.rank) and lo.rank >= 0, "lora.rank", lo.rank, "is not a rank",
          "0 to train the whole model, or the adapters' rank, e.g. 8")
-    if _is_int(lo.rank) and lo.rank > 0:
+    if is_integer(lo.rank) and lo.rank > 0:
         need(_finite(lo.alpha) and lo.alpha > 0, "lora.alpha", lo.alpha,
              "is not a LoRA scale: the adapters' output is multiplied by alpha / rank, so 0 "
              "trains nothing and a negative one flips it", "a positive scale, e.g. 16")
@@ -115,7 +117,7 @@ def problems(cfg) -> list:
         except re.error as e:
             need(False, "lora.targets", lo.targets, f"is not a regular expression ({e})",
                  "a Python regular expression matching the kernels to adapt")
-    need(lo.save == "merged" or not _is_int(lo.rank) or lo.rank > 0, "lora.save", lo.save,
+    need(lo.save == "merged" or not is_integer(lo.rank) or lo.rank > 0, "lora.save", lo.save,
          "asks for a PEFT adapter folder, but lora.rank is 0 (the whole model is trained)",
          "merged, or lora.rank to the adapters' rank, e.g. 8")
     need(lo.save == "merged" or not lo.rank or cfg.export is not None, "lora.save", lo.save,
@@ -129,7 +131,7 @@ def problems(cfg) -> list:
     need(t.eval_by in (None, "example", "batch"), "trainer.eval_by", t.eval_by,
          "is not a way to evaluate",
          "'example', 'batch', or null (decided at the first evaluation)")
-    need(d.n_model_shards == "auto" or (_is_int(d.n_model_shards) and d.n_model_shards >= 1),
+    need(d.n_model_shards == "auto" or (is_integer(d.n_model_shards) and d.n_model_shards >= 1),
          "deployer.n_model_shards", d.n_model_shards, "is not a number of model shards",
          "a positive number dividing the devices, or 'auto'")
     for name, what in (("n_processes", "processes"), ("n_local_devices", "devices"),
@@ -158,7 +160,7 @@ def data_problems(cfg) -> list:
         need(not share or d.eval is None, "data.eval_fraction", d.eval_fraction,
              f"holds out training records, but data.eval already names eval data ({d.eval})",
              "null, or data.eval to null")
-    need(_is_int(d.split_seed) and d.split_seed >= 0, "data.split_seed", d.split_seed,
+    need(is_integer(d.split_seed) and d.split_seed >= 0, "data.split_seed", d.split_seed,
          "is not a seed", "a number 0 or above")
     seq2seq = cfg.model.task == "seq2seq"
     need(not (seq2seq and d.format in ("messages", "text")), "data.format", d.format,
@@ -168,10 +170,6 @@ def data_problems(cfg) -> list:
          "packs sequences into rows of a causal LM's tokens, and model.task is seq2seq",
          "false, or model.task to causal_lm")
     return out
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _finite(value) -> bool:
@@ -187,7 +185,7 @@ def _is_dtype(name) -> bool:
     return True
 
 
-def _did_you_mean(value, choices) -> str:
-    import difflib
-    close = difflib.get_close_matches(str(value), list(choices), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
+def did_you_mean(key, choices, prefix="", rest="") -> str:
+    """`` (did you mean <prefix><closest><rest>?)`` for the closest of ``choices``, or ''."""
+    close = difflib.get_close_matches(str(key), list(choices), n=1)
+    return f" (did you mean {prefix}{close[0]}{rest}?)" if close else ""

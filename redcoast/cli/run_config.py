@@ -17,13 +17,13 @@ the ``train`` extra (``pip install 'redcoast[train]'``). The core never imports 
 
 import argparse
 import dataclasses
-import difflib
 import json
 import os
 import typing
 from typing import Any, Literal, Optional, Union
 
 from ..errors import ConfigError
+from .run_checks import did_you_mean
 
 EXTRA = "pip install 'redcoast[train]'"  # what brings draccus and PyYAML
 
@@ -329,7 +329,7 @@ def check_keys(raw: Any, cls: type, source: str, prefix: str = "") -> None:
     for key, value in raw.items():
         if key not in fields:
             raise ConfigError(f"{source}: unknown key {prefix + str(key)!r}"
-                              f"{_known_as(key) or _did_you_mean(key, fields, prefix)}. Valid keys "
+                              f"{_known_as(key) or did_you_mean(key, fields, prefix)}. Valid keys "
                               f"at {where}: {', '.join(fields)}.")
         section = fields[key].type
         if dataclasses.is_dataclass(section) and value is not None:
@@ -353,7 +353,7 @@ def check_override_names(argv: list[str], cls: type) -> None:
                 prefix = "".join(f"{p}." for p in parts[:i])
                 rest = "".join(f".{p}" for p in parts[i + 1:])
                 valid = ", ".join(f"--{prefix}{f}" for f in fields)
-                hint = _known_as(part) or _did_you_mean(part, fields, "--" + prefix, rest)
+                hint = _known_as(part) or did_you_mean(part, fields, "--" + prefix, rest)
                 raise ConfigError(f"unknown option --{name}{hint}. Valid "
                                   f"{'here' if valid else 'after --' + prefix[:-1]}: "
                                   f"{valid or 'none (it takes a value, not fields)'}.")
@@ -368,7 +368,7 @@ def check_choice(annotation: Any, value: Any, where: str) -> None:
     choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
     if choices and value not in choices:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}"
-                          f"{_did_you_mean(value, choices)}. Fix: choose one of them.")
+                          f"{did_you_mean(value, choices)}. Fix: choose one of them.")
 
 
 def yaml_value(text: str) -> Any:
@@ -378,10 +378,6 @@ def yaml_value(text: str) -> Any:
     except Exception:  # noqa: BLE001 - not YAML: the text itself, for draccus to judge
         return text
 
-
-def _did_you_mean(key, fields, prefix="", rest="") -> str:
-    close = difflib.get_close_matches(str(key), list(fields), n=1)
-    return f" (did you mean {prefix}{close[0]}{rest}?)" if close else ""
 
 
 # The names TRL's SFTConfig, Hugging Face's TrainingArguments and axolotl give the options a

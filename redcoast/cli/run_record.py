@@ -55,7 +55,7 @@ class Change:
     def __str__(self) -> str:
         if self.path == WHOLE:  # no record to compare field by field
             return f"{WHOLE}: {self.old}"
-        return f"{self.path}: {_shown(self.old)} -> {_shown(self.new)}"
+        return f"{self.path}: {_as_yaml(self.old)} -> {_as_yaml(self.new)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,5 +203,5 @@ def _now() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 
 
-def _shown(value) -> str:
+def _as_yaml(value) -> str:
     return "null" if value is None else repr(value) if isinstance(value, str) else str(value)

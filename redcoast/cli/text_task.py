@@ -231,8 +231,8 @@ def make_collate_fn(task, shape, pad, start=None):
         source_len, target_len = shape
 
         def collate_seq2seq(examples):
-            source = _padded([e["source"][:source_len] for e in examples], source_len, pad)
-            labels = _padded([e["target"][:target_len] for e in examples], target_len, pad)
+            source = _padded_rows([e["source"][:source_len] for e in examples], source_len, pad)
+            labels = _padded_rows([e["target"][:target_len] for e in examples], target_len, pad)
             weights = _mask([min(len(e["target"]), target_len) for e in examples], target_len)
             decoder_in = np.concatenate([np.full((len(examples), 1), start, np.int32),
                                          labels[:, :-1]], axis=1)
@@ -245,7 +245,7 @@ def make_collate_fn(task, shape, pad, start=None):
     (length,) = shape
 
     def collate_causal(examples):
-        ids = _padded([e["ids"][:length + 1] for e in examples], length + 1, pad)
+        ids = _padded_rows([e["ids"][:length + 1] for e in examples], length + 1, pad)
         weights = np.zeros((len(examples), length), np.float32)
         for i, e in enumerate(examples):
             n = min(len(e["ids"]), length + 1)
@@ -257,7 +257,7 @@ def make_collate_fn(task, shape, pad, start=None):
     return collate_causal
 
 
-def _padded(rows, length, pad):
+def _padded_rows(rows, length, pad):
     out = np.full((len(rows), length), pad, np.int32)
     for i, row in enumerate(rows):
         out[i, :len(row)] = row

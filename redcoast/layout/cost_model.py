@@ -67,8 +67,8 @@ def choose(estimates, budget_bytes):
     fits = [i for i, e in enumerate(estimates) if e.memory_bytes <= budget_bytes]
     if not fits:
         i = min(range(len(estimates)), key=lambda j: estimates[j].memory_bytes)
-        return i, (f"none fits the budget of {_mib(budget_bytes)} per device; the smallest "
-                   f"({_mib(estimates[i].memory_bytes)})")
+        return i, (f"none fits the budget of {mib(budget_bytes)} per device; the smallest "
+                   f"({mib(estimates[i].memory_bytes)})")
     cost = [e.seconds_per_example for e in estimates]
     cheapest = min(fits, key=lambda j: cost[j])
     near = [j for j in fits if cost[j] <= cost[cheapest] * (1 + TIE)]
@@ -76,7 +76,7 @@ def choose(estimates, budget_bytes):
     if i == cheapest:
         return i, "the lowest estimated time per example among those that fit"
     return i, (f"within {TIE:.0%} of the lowest estimated time per example and "
-               f"{_mib(estimates[cheapest].memory_bytes - estimates[i].memory_bytes)} less memory")
+               f"{mib(estimates[cheapest].memory_bytes - estimates[i].memory_bytes)} less memory")
 
 
 def format_table(candidates, estimates, chosen, budget_bytes):
@@ -85,11 +85,12 @@ def format_table(candidates, estimates, chosen, budget_bytes):
              f"{'collectives':>12}{'wire MB':>9}{'est. ms':>9}{'us/example':>11}"]
     for i, (c, e) in enumerate(zip(candidates, estimates)):
         mark = "  <- chosen" if i == chosen else ("  (over budget)" if e.memory_bytes > budget_bytes else "")
-        lines.append(f"{c.name:<36}{_mib(e.memory_bytes):>12}{e.flops / 1e9:>9.2f}"
+        lines.append(f"{c.name:<36}{mib(e.memory_bytes):>12}{e.flops / 1e9:>9.2f}"
                      f"{e.bytes_accessed / 1e6:>13.1f}{e.collectives:>12}{e.wire_bytes / 1e6:>9.2f}"
                      f"{e.seconds * 1e3:>9.2f}{e.seconds_per_example * 1e6:>11.1f}{mark}")
     return "\n".join(lines)
 
 
-def _mib(n):
+def mib(n):
+    """``n`` bytes as MiB, for messages."""
     return f"{n / 2**20:.2f} MiB"

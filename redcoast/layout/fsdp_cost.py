@@ -25,6 +25,7 @@ import numpy as np
 from ..multihost.host import process_0s
 from ..sharding.axes import DATA_AXIS, MODEL_AXIS
 from ..sharding.fsdp import gather_group
+from .cost_model import mib
 
 TIE = 0.02       # step time FSDP may add: within the noise of a step (issue 28's "2 %")
 PRESSURE = 0.5   # a state over this share of a device's memory: split everything
@@ -88,7 +89,7 @@ def choose_fsdp(placements, axis_sizes, platform, step_flops, n_local_devices,
     if budget_bytes and state > PRESSURE * budget_bytes:
         return FsdpChoice(frozenset(), (
             f"FSDP splits all {len(splittable)} tensors it can: the training state would take "
-            f"{_mib(state)} per device without it, over {PRESSURE:.0%} of the device's {_mib(budget_bytes)}"))
+            f"{mib(state)} per device without it, over {PRESSURE:.0%} of the device's {mib(budget_bytes)}"))
     spent, split = 0.0, 0
     for _, _, cost in splittable:
         if spent + cost > TIE * step:
@@ -97,8 +98,8 @@ def choose_fsdp(placements, axis_sizes, platform, step_flops, n_local_devices,
     keep = frozenset(path for path, _, _ in splittable[split:])
     saved = sum(b for _, b, _ in splittable[:split])
     all_cost = sum(c for _, _, c in splittable)
-    head = (f"FSDP by cost: {split} of {len(splittable)} tensors split over dp ({_mib(saved)} of "
-            f"{_mib(total)} of parameters per device, with their optimizer state); estimated "
+    head = (f"FSDP by cost: {split} of {len(splittable)} tensors split over dp ({mib(saved)} of "
+            f"{mib(total)} of parameters per device, with their optimizer state); estimated "
             f"{spent * 1e3:.2f} ms of gathers on a {step * 1e3:.1f} ms step")
     if not keep:
         return FsdpChoice(keep, head)
@@ -117,9 +118,6 @@ def agreed_by_all_processes(choice, paths):
         return choice
     return FsdpChoice(keep, f"{choice.note} (process 0's choice, taken by every process)")
 
-
-def _mib(n):
-    return f"{n / 2**20:.2f} MiB"
 
 
 def per_device_flops(forward_flops, n_devices):

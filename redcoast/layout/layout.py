@@ -402,8 +402,8 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
             n = last.n_model_shards
             raise ConfigError(
                 f"n_model_shards='auto': even split over {n} model shards the training step needs "
-                f"{_size(measured[last].memory_bytes)} per device, over the budget of "
-                f"{_size(budget_bytes)}. Fix: a smaller per_device_batch_size, "
+                f"{_bytes_text(measured[last].memory_bytes)} per device, over the budget of "
+                f"{_bytes_text(budget_bytes)}. Fix: a smaller per_device_batch_size, "
                 "accumulate_grad_batches, compute_dtype=jnp.bfloat16, rematerialisation in the "
                 "model, or more devices.")
         options = distinct(candidates_at(best.n_model_shards, shape_of(best.n_model_shards),
@@ -425,5 +425,5 @@ def choose_layout(recipe, state, rng, shard_counts, fsdp_options, fuse_options, 
         considered=tuple(zip(compared, estimates)))
 
 
-def _size(n):
+def _bytes_text(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -59,7 +59,7 @@ def _device_stats(arrays):
 
 
 @jax.jit
-def _finite(params):
+def _finite_leaves(params):
     return jax.tree_util.tree_map(
         lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else True,
         params)
@@ -80,7 +80,7 @@ def _stats(xnp, x):
 def params_findings(params):
     """The parameters that hold NaN or inf: one sentence, or none (read where the arrays
     are, by one compiled program: not one per array, placement.py says why)."""
-    finite = to_host(_finite(params))
+    finite = to_host(_finite_leaves(params))
     bad = [jax.tree_util.keystr(path)
            for path, ok in jax.tree_util.tree_flatten_with_path(finite)[0] if not ok]
     if not bad:

@@ -40,7 +40,7 @@ def changes(saved: Mapping, current: Mapping, lr_schedule_fn: Callable | None,
             step: int) -> list[str]:
     """``"what: old -> new"`` for each setting of the run's length and learning rate that
     differs between a checkpoint's record (``saved``, at update ``step``) and this run."""
-    out = [f"{key} {_shown(saved[key])} -> {_shown(current.get(key))}"
+    out = [f"{key} {_as_text(saved[key])} -> {_as_text(current.get(key))}"
            for key in ("n_epochs", "max_steps", "planned_updates", "compute_dtype")
            if key in saved and saved[key] != current.get(key)]
     now = dict(lr_at(lr_schedule_fn, [s for s, _ in saved.get("lr_at") or []]) or [])
@@ -82,5 +82,5 @@ def warn_if_changed(deployer, saved: Mapping, current: Mapping,
             "afresh.")
 
 
-def _shown(value) -> str:
+def _as_text(value) -> str:
     return "None" if value is None else str(value)

@@ -52,7 +52,7 @@ class ChatTemplate:
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise ConfigError("tools must be JSON schemas (dicts) of the functions, as "
                               "transformers' apply_chat_template takes them.")
-        template = _compiled(self.source)   # first: it says how to install jinja2 where missing
+        template = _compiled_template(self.source)   # first: it says how to install jinja2 where missing
         from .template_sandbox import render
 
         meter = BudgetMeter(self.budget or TemplateBudget.unlimited(), self.origin)
@@ -113,7 +113,7 @@ class ChatTemplate:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(source):
+def _compiled_template(source):
     return _environment().from_string(source)
 
 

@@ -79,16 +79,16 @@ class SearchConfig:
             raise ConfigError(f"min_new_tokens={min_new_tokens} is more than max_new_tokens="
                               f"{max_new_tokens}. Fix: raise max_new_tokens or lower "
                               "min_new_tokens.")
-        stops = tuple(_token_ids(seq, "stop_sequences") for seq in stop_sequences)
+        stops = tuple(_id_tuple(seq, "stop_sequences") for seq in stop_sequences)
         if any(len(seq) == 0 for seq in stops):
             raise ConfigError("stop_sequences has an empty sequence; each must hold token ids "
                               "(for text, use stop_strings with a tokenizer).")
         cfg = cls(int(max_new_tokens), bool(do_sample), float(temperature), int(top_k),
                   float(top_p), int(num_beams), float(length_penalty), early_stopping,
-                  _token_ids(eos_token_id, "eos_token_id"), int(pad_token_id),
+                  _id_tuple(eos_token_id, "eos_token_id"), int(pad_token_id),
                   float(repetition_penalty), int(min_new_tokens), int(no_repeat_ngram_size),
                   None if forced_bos_token_id is None else int(forced_bos_token_id),
-                  _token_ids(forced_eos_token_id, "forced_eos_token_id"), stops)
+                  _id_tuple(forced_eos_token_id, "forced_eos_token_id"), stops)
         if cfg.num_beams > 1 and cfg.stop_sequences:
             raise ConfigError("stop_sequences work with greedy decoding and sampling, not yet "
                               "with beam search. Fix: use num_beams=1 with them, or give the "
@@ -96,7 +96,7 @@ class SearchConfig:
         return cfg
 
 
-def _token_ids(value, name):
+def _id_tuple(value, name):
     """``None``, one id or a list of ids, as a tuple of ints."""
     if value is None:
         return ()
@@ -169,7 +169,7 @@ def model_defaults(model, eos_token_id, pad_token_id):
                 return value
         return None
     eos = default("eos_token_id") if eos_token_id is None else eos_token_id
-    eos = _token_ids(eos, "eos_token_id")
+    eos = _id_tuple(eos, "eos_token_id")
     if pad_token_id is None:
         pad_token_id = default("pad_token_id")
     if pad_token_id is None:

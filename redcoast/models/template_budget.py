@@ -82,7 +82,7 @@ class BudgetMeter:
         ``max_output_chars``."""
         if size > self.limit:
             raise self.exceeded("max_output_chars", f"it would make {what} of "
-                                 f"{_count(size)} characters or items, over {self.limit:,}")
+                                 f"{_readable_count(size)} characters or items, over {self.limit:,}")
 
     def build(self, size, what="a text or list"):
         """Before (or just after) the template makes an object of ``size`` characters or items."""
@@ -141,7 +141,7 @@ def _or_inf(limit):
     return math.inf if limit is None else limit
 
 
-def _count(size):
+def _readable_count(size):
     return f"{size:,}" if size < 10 ** 30 else "about 10**" + str(len(str(size)) - 1)
 
 
@@ -213,7 +213,7 @@ def operator_size(meter, operator, left, right):
 def _check_int_bits(meter, bits):
     if bits > MAX_INT_BITS and meter.limit != math.inf:
         raise meter.exceeded("max_output_chars", f"it would compute an integer of about "
-                              f"{_count(bits)} bits (past {MAX_INT_BITS:,} bits only with "
+                              f"{_readable_count(bits)} bits (past {MAX_INT_BITS:,} bits only with "
                               "max_output_chars=None)", raised_to=None)
 
 

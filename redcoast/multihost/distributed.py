@@ -196,7 +196,7 @@ def _from_redcoast_env(env, host0_port):
     n, pid = _check_ids(n, pid, ENV_N_PROCESSES, ENV_PROCESS_ID)
     if n == 1:
         return None
-    port = _port(env, host0_port, default=DEFAULT_PORT)
+    port = _coordinator_port(env, host0_port, default=DEFAULT_PORT)
     local = None
     if env.get(ENV_LOCAL_PROCESS_ID) and env.get(ENV_N_LOCAL_DEVICES):
         # Several processes on one machine split its accelerators (ignored on CPU).
@@ -231,7 +231,7 @@ def _from_slurm(env, host0_port):
             "address of the node that runs task 0.")
     job = _env_int(env, "SLURM_JOB_ID", minimum=0)
     step = int(env["SLURM_STEP_ID"]) if env.get("SLURM_STEP_ID", "").isdigit() else 0
-    port = _port(env, host0_port, default=_ephemeral_port(job * 31 + step))
+    port = _coordinator_port(env, host0_port, default=_ephemeral_port(job * 31 + step))
     nodes_var = "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES"
     n_nodes = _env_int(env, nodes_var, default=1, minimum=1)
     local = _one_device_per_local_task(env, env.get("SLURM_LOCALID"), n > n_nodes)
@@ -264,7 +264,7 @@ def _from_open_mpi(env, host0_port):
     job = env.get("OMPI_MCA_orte_hnp_uri", "").split(".", 1)[0]
     key = int(job) // 2**12 if job.isdigit() else zlib.crc32(
         (env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid") or uri).encode())
-    port = _port(env, host0_port, default=_ephemeral_port(key))
+    port = _coordinator_port(env, host0_port, default=_ephemeral_port(key))
     local_size = _env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=1, minimum=1)
     local = _one_device_per_local_task(env, env.get("OMPI_COMM_WORLD_LOCAL_RANK"), local_size > 1)
     return Cluster("Open MPI", n, pid, f"{_host(host)}:{port}", local)
@@ -317,7 +317,7 @@ def _ephemeral_port(key):
     return 65535 - 2**12 + 1 + int(key) % 2**12
 
 
-def _port(env, host0_port, default):
+def _coordinator_port(env, host0_port, default):
     if host0_port is not None:
         return _check_port(host0_port, "host0_port")
     for name in (ENV_HOST0_PORT, "JAX_COORDINATOR_PORT"):

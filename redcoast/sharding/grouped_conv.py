@@ -116,7 +116,7 @@ def _varying(x, axis):
     return jax.lax.pvary(x, (axis,))
 
 
-def _evaluate(jaxpr, consts, args, mesh, batch_axis, arg_origins=None):
+def _run_guarded(jaxpr, consts, args, mesh, batch_axis, arg_origins=None):
     """Run ``jaxpr`` with its grouped convolutions guarded (see the module docstring);
     ``arg_origins``: the parameter each of ``args`` carries, or None (weight_origins.py)."""
     origins = weight_origins.propagate(jaxpr, arg_origins or [None] * len(jaxpr.invars))
@@ -150,14 +150,14 @@ def _guarded_call(eqn, vals, mesh, batch_axis, ins):
     """An equation holding a grouped convolution in a sub-program, run with it guarded
     (``ins``: the origins of its operands)."""
     name = eqn.primitive.name
-    run_body = lambda j, c, a: _evaluate(j, c, a, mesh, batch_axis, ins)  # noqa: E731
+    run_body = lambda j, c, a: _run_guarded(j, c, a, mesh, batch_axis, ins)  # noqa: E731
     if name in CALLS or (name in REMATS and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr)):
         return rerun_inside(eqn, vals, run_body)  # a remat body rematerialised as before
     if name in ("scan", "while", "cond"):  # loop and branch bodies: ClosedJaxprs, replaced
         params = dict(eqn.params)
         for key, i, sub in sub_programs(eqn):
             origins = _body_origins(eqn, key, ins)
-            guarded = retraced(sub, lambda j, c, a, o=origins: _evaluate(j, c, a, mesh, batch_axis, o))
+            guarded = retraced(sub, lambda j, c, a, o=origins: _run_guarded(j, c, a, mesh, batch_axis, o))
             if i is None:
                 params[key] = guarded
             else:
@@ -189,6 +189,6 @@ def guard_grouped_convs(fn, mesh, batch_axis=DATA_AXIS, plan=None):
         if plan is not None and plan.knows_placements:  # the parameters are the first leaves
             params = leaves_with_paths(args[0])
             origins[:len(params)] = weight_origins.of_weights(plan.leaf_splits(params))
-        outs = _evaluate(closed.jaxpr, closed.consts, flat_args, mesh, batch_axis, origins)
+        outs = _run_guarded(closed.jaxpr, closed.consts, flat_args, mesh, batch_axis, origins)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return guarded

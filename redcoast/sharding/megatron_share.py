@@ -34,7 +34,7 @@ class Share:
         return self.held / self.megatron if self.megatron else 1.0
 
 
-def _nbytes(pl):
+def _placement_bytes(pl):
     return int(np.prod(pl.shape, dtype=np.int64)) * np.dtype(pl.dtype).itemsize
 
 
@@ -43,13 +43,13 @@ def megatron_share(placements, axis_sizes):
     n = axis_sizes.get(MODEL_AXIS, 1)
     held, megatron, whole = 0, 0.0, []
     for pl in placements:
-        size, on_device = _nbytes(pl), pl.bytes_per_device(axis_sizes)
+        size, on_device = _placement_bytes(pl), pl.bytes_per_device(axis_sizes)
         held += on_device
         splittable = pl.weight and any(d % n == 0 for d in pl.shape)
         megatron += size / n if splittable else size
         if splittable and on_device == size:
             whole.append(pl)
-    whole.sort(key=lambda pl: -_nbytes(pl))
+    whole.sort(key=lambda pl: -_placement_bytes(pl))
     return Share(held, megatron, tuple(whole))
 
 
@@ -62,12 +62,12 @@ def shortfall(placements, axis_sizes):
     by_reason = {}
     for pl in share.whole:
         by_reason.setdefault(pl.reason.removeprefix("replicated: "), []).append(pl)
-    kept = sum(_nbytes(pl) for pl in share.whole)
+    kept = sum(_placement_bytes(pl) for pl in share.whole)
     lines = []
-    for reason, pls in sorted(by_reason.items(), key=lambda kv: -sum(map(_nbytes, kv[1]))):
+    for reason, pls in sorted(by_reason.items(), key=lambda kv: -sum(map(_placement_bytes, kv[1]))):
         names = ", ".join(path_to_str(pl.path) for pl in pls[:_NAMED])
         more = f" and {len(pls) - _NAMED} more" if len(pls) > _NAMED else ""
-        lines.append(f"  {names}{more} ({sum(map(_nbytes, pls)) / 2**20:.2f} MiB): {reason}")
+        lines.append(f"  {names}{more} ({sum(map(_placement_bytes, pls)) / 2**20:.2f} MiB): {reason}")
     first = share.whole[0]
     example = f"({tuple(str(k) for k in first.path)!r}, PartitionSpec(...))"
     return (f"the plan holds {share.ratio:.2f}x the parameters per device that Megatron's split "

@@ -13,7 +13,7 @@ from .paths import path_to_tuple
 from .rules import normalize_spec
 
 
-def _padded(spec, ndim):
+def _spec_of_rank(spec, ndim):
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
@@ -24,7 +24,7 @@ def state_leaf_spec(leaf_path, leaf_shape, param_specs_by_path):
         if found is None:
             continue
         param_shape, spec = found
-        full = _padded(spec, len(param_shape))
+        full = _spec_of_rank(spec, len(param_shape))
         if tuple(leaf_shape) == tuple(param_shape):
             return spec
         if len(leaf_shape) == len(param_shape) - 1:

@@ -71,12 +71,12 @@ def gather_layer_by_layer(fn, mesh, weights, layer_specs):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         flat = jax.tree_util.tree_leaves(args)
         origins = weight_origins.of_weights(weights) + [None] * (len(flat) - len(weights))
-        outs = _evaluate(closed.jaxpr, closed.consts, flat, origins, mesh, weights, layer_specs)
+        outs = _run_layer_by_layer(closed.jaxpr, closed.consts, flat, origins, mesh, weights, layer_specs)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return rewritten
 
 
-def _evaluate(jaxpr, consts, args, arg_origins, mesh, weights, layer_specs):
+def _run_layer_by_layer(jaxpr, consts, args, arg_origins, mesh, weights, layer_specs):
     index = {w.path: i for i, w in enumerate(weights)}
     origins = weight_origins.propagate(jaxpr, arg_origins)
 
@@ -89,7 +89,7 @@ def _evaluate(jaxpr, consts, args, arg_origins, mesh, weights, layer_specs):
             return bind(eqn, vals, dict(eqn.params, jaxpr=_constrained_body(
                 eqn.params["jaxpr"], specs, mesh))) if specs else None
         if name in CALLS:
-            return rerun_inside(eqn, vals, lambda j, c, a: _evaluate(j, c, a, ins, mesh, weights,
+            return rerun_inside(eqn, vals, lambda j, c, a: _run_layer_by_layer(j, c, a, ins, mesh, weights,
                                                                      layer_specs))
         return None
 

@@ -98,10 +98,10 @@ def _check_entries(path, header, data_bytes, fix):
         if dtype not in DTYPE_BITS:
             raise damaged(path, f"tensor {name!r} has dtype {dtype!r}, not one of "
                           f"safetensors' {sorted(DTYPE_BITS)}", where, fix)
-        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
             raise damaged(path, f"tensor {name!r} has shape {shape!r}, not a list of "
                           "non-negative integers", where, fix)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_count, offsets))
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
                 and offsets[0] <= offsets[1] <= data_bytes):
             raise damaged(path, f"tensor {name!r} has data_offsets {offsets!r}, not [begin, "
                           f"end] within its {data_bytes} bytes of data", where, fix)
@@ -125,7 +125,7 @@ def _check_entries(path, header, data_bytes, fix):
                       "at its end", fix)
 
 
-def _count(x):
+def _is_count(x):
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 

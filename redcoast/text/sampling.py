@@ -85,7 +85,7 @@ class Sampler:
         weights = self._weights(params, frozen_params)
         if not isinstance(n, int) or n < 1:
             raise ConfigError(f"n={n!r}: the completions per prompt must be a positive integer.")
-        prompts = [_token_ids(p) for p in prompts for _ in range(n)]
+        prompts = [_prompt_ids(p) for p in prompts for _ in range(n)]
         if not prompts:
             return []
         width = self.prompt_len or -(-max(len(p) for p in prompts) // 32) * 32
@@ -111,7 +111,7 @@ class Sampler:
         return self._scorer.predict(rows, per_device_batch_size, weights)
 
 
-def _token_ids(prompt):
+def _prompt_ids(prompt):
     """A prompt as a list of token ids, or the error a text or a tokenizer's output deserves."""
     if isinstance(prompt, str) or hasattr(prompt, "ids"):
         raise DataError(f"a prompt is {type(prompt).__name__}, not a list of token ids. Fix: "
