@@ -217,7 +217,7 @@ def _gate_operands(jaxpr, plan, origins):
 
 def _hidden_split_tables(jaxpr, plan, origins):
     """Pins for tables the plan splits along the axis a lookup keeps whole (the hidden axis:
-    dataflow.py splits it when the vocabulary does not divide the shards). Left to XLA, that
+    dataflow/gathers.py splits it when the vocabulary does not divide the shards). Left to XLA, that
     split spreads into the residual stream, from the looked-up rows forward and from a tied LM
     head (the stream times the table, contracted over hidden) backward, and every layer pays
     for it (measured: GPT-2 with a 127-token vocabulary, OPT with its 2050-row position table:
