@@ -190,3 +190,27 @@ def test_no_two_modules_define_the_same_name():
     assert not new, f"defined in several modules: {new}; name each for what it does"
     assert SAME_NAME_NOT_YET <= set(twice), ("now defined once, take it off SAME_NAME_NOT_YET: "
                                              f"{sorted(SAME_NAME_NOT_YET - set(twice))}")
+
+
+def _loops_over_equations(tree):
+    """Lines where a loop or comprehension runs over some program's ``.eqns`` (directly, or
+    through enumerate/reversed/zip, or range(len(....eqns)))."""
+    def is_eqns(node):
+        if isinstance(node, ast.Attribute) and node.attr == "eqns":
+            return True
+        if isinstance(node, ast.Call):
+            return any(is_eqns(a) for a in node.args)
+        return False
+    found = []
+    for node in ast.walk(tree):
+        iters = [node.iter] if isinstance(node, (ast.For, ast.comprehension)) else []
+        found += [getattr(node, "lineno", getattr(it, "lineno", 0)) for it in iters if is_eqns(it)]
+    return found
+
+
+def test_only_the_interpreter_walks_a_programs_equations():
+    """The rewrites and analyses are rules over sharding/interpreter.py (evaluate, follow,
+    total, evaluate_on_demand, where): a new JAX form is taught in one place."""
+    walkers = {name: lines for name, path in MODULES.items()
+               if (lines := _loops_over_equations(ast.parse(path.read_text())))}
+    assert set(walkers) == {"redcoast.sharding.interpreter"}, walkers

@@ -29,10 +29,15 @@ import numpy as np
 from jax.extend import core as jcore
 
 from . import kv_repeat, weight_origins
-from .interpreter import CALLS, bind, evaluate, output_axes, read_once, readers, rerun_inside
+from .interpreter import (CALLS, bind, evaluate, evaluate_on_demand, follow, output_axes,
+                          producers, read_once, readers, rerun_inside, where)
 from .paths import leaves_with_paths
 from .rewrite_plan import RewritePlan, WeightSplit
 
+
+
+def _is_dot(eqn):
+    return eqn.primitive.name == "dot_general"
 
 
 def _split_along(plan, origins, v, axes):
@@ -89,7 +94,7 @@ def _groups(jaxpr, plan, origins):
     2+); ``how`` is "stack" or the free axis to concatenate along. The largest groups win;
     among equal ones, stacking (one shape) before concatenating."""
     by_key = {}
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i, eqn in where(jaxpr, _is_dot):
         for key in _sibling_key(eqn, plan, origins) or ():
             by_key.setdefault(key, []).append(i)
     taken, out = set(), {}
@@ -129,11 +134,9 @@ def _partial_chains(jaxpr, groups, plan, origins):
     """
     if not plan.knows_placements:
         return {}
-    uses, producer = readers(jaxpr), {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    uses, producer = readers(jaxpr), producers(jaxpr)
     out = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != "dot_general":
-            continue
+    for k, eqn in where(jaxpr, _is_dot):
         for side2, v in enumerate(eqn.invars):
             chain = _row_parallel_source(jaxpr, v, uses, producer, groups, plan, origins)
             if chain is not None and _reassociation(jaxpr, k, side2, *chain) is not None:
@@ -200,11 +203,9 @@ def _gate_operands(jaxpr, plan, origins):
     instead of splitting the computation that made it (the router's softmax and top-k)."""
     if plan.mesh is None or not plan.knows_placements:
         return {}
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    producer = producers(jaxpr)
     out = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != "dot_general":
-            continue
+    for k, eqn in where(jaxpr, _is_dot):
         (lc, rc), _ = eqn.params["dimension_numbers"]
         for side, contract in ((0, lc), (1, rc)):
             axes = _split_output_axes(jaxpr, eqn.invars[side], producer, plan, origins)
@@ -227,14 +228,13 @@ def _hidden_split_tables(jaxpr, plan, origins):
     contracted axes to keep whole, so that each shard slices it locally)}."""
     if plan.mesh is None or not plan.knows_placements:
         return {}, {}
-    data = set(jaxpr.invars)  # values that depend on the function's inputs, not constants
     tables = {}  # a split table, or a cast or transpose of it -> its split axis
     lookups, reads = {}, {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        if any(isinstance(v, jcore.Var) and v in data for v in eqn.invars):
-            data.update(eqn.outvars)
+    position = producers(jaxpr)
+
+    def note(eqn, data):  # data: whether each operand depends on the function's inputs
         name = eqn.primitive.name
-        if name == "gather" and eqn.invars[1] in data:
+        if name == "gather" and data[1]:
             table = eqn.invars[0]
             dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
             shape = tuple(table.aval.shape)
@@ -244,7 +244,7 @@ def _hidden_split_tables(jaxpr, plan, origins):
                      if sizes[a] == shape[a] and a not in dn.start_index_map
                      and _split_along(plan, origins, table, [a])]
             if whole:
-                lookups[i] = tuple(o for _, o in whole)
+                lookups[position[eqn.outvars[0]]] = tuple(o for _, o in whole)
                 tables[table] = whole[0][0]
         elif name in ("convert_element_type", "copy") and eqn.invars[0] in tables:
             tables[eqn.outvars[0]] = tables[eqn.invars[0]]
@@ -255,7 +255,11 @@ def _hidden_split_tables(jaxpr, plan, origins):
             for side, contract in ((0, lc), (1, rc)):
                 v = eqn.invars[side]
                 if isinstance(v, jcore.Var) and v in tables and tables[v] in contract:
-                    reads[i] = (1 - side, tuple(rc if side == 0 else lc))
+                    reads[position[eqn.outvars[0]]] = (1 - side, tuple(rc if side == 0 else lc))
+        return [True] * len(eqn.outvars) if any(data) else []
+
+    # values that depend on the function's inputs (not constants): its inputs and what they make
+    follow(jaxpr, [True] * len(jaxpr.invars), note)
     return lookups, reads
 
 
@@ -287,39 +291,25 @@ def _eval_fused(jaxpr, consts, args, plan, arg_origins):
         origins = weight_origins.propagate(jaxpr, arg_origins)
         origins.update(made)
     env = dict(jaxpr.const_env)
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    env.update(zip(jaxpr.invars, args))
     blocks = plan.blocks
     groups = _groups(jaxpr, plan, origins)
     chains = _partial_chains(jaxpr, groups, plan, origins)
     gates = _gate_operands(jaxpr, plan, origins)
     lookups, table_reads = _hidden_split_tables(jaxpr, plan, origins)
     # the matmul (and transpose) a chain replaces: computed inside the chain, never on their own
-    done = {j for _, i, t, _ in chains.values() for j in (i, t) if j is not None}
+    inside_chains = {j for _, i, t, _ in chains.values() for j in (i, t) if j is not None}
 
-    def read(v):
-        if isinstance(v, jcore.Literal):
-            return v.val
-        if v not in env:
-            run(producer[v])
-        return env[v]
-
-    def run(i):
-        if i in done:
-            return
-        eqn = jaxpr.eqns[i]
+    def run(i, eqn, read):
+        if i in inside_chains:
+            return {}
         if i in groups:
             members, side, how = groups[i]
             if how == "stack":
-                run_group(members, side)
-            else:
-                run_concat_group(members, side, how)
-            return
-        done.add(i)
+                return run_group(members, side, read)
+            return run_concat_group(members, side, how, read)
         if i in chains:
-            run_chain(i, *chains[i])
-            return
+            return run_chain(i, *chains[i], read)
         vals = [read(v) for v in eqn.invars]
         for pins in (gates, table_reads):
             if i in pins:
@@ -328,21 +318,19 @@ def _eval_fused(jaxpr, consts, args, plan, arg_origins):
         outs = _bind(eqn, vals, plan, [weight_origins.of(origins, v) for v in eqn.invars])
         if i in lookups:
             outs = [_replicated(outs[0], lookups[i], plan.mesh)]
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = x
+        return dict(zip(eqn.outvars, outs))
 
-    def run_group(members, side):
+    def run_group(members, side, read):
         first = jaxpr.eqns[members[0]]
         shared = read(first.invars[side])
         others = [read(jaxpr.eqns[m].invars[1 - side]) for m in members]
         stacked = jax.numpy.stack(others, 0)  # a new leading free axis of the other operand
         y = _bind_fused_dot(first, side, shared, stacked, lambda d: d + 1)
         pos = _free_output_start(first, side, shared.ndim)
-        for k, m in enumerate(members):
-            done.add(m)
-            env[jaxpr.eqns[m].outvars[0]] = jax.lax.index_in_dim(y, k, pos, keepdims=False)
+        return {jaxpr.eqns[m].outvars[0]: jax.lax.index_in_dim(y, k, pos, keepdims=False)
+                for k, m in enumerate(members)}
 
-    def run_concat_group(members, side, free):
+    def run_concat_group(members, side, free, read):
         # Each weight (free axis of size s_i) is viewed as (blocks, s_i / blocks) and the views
         # are concatenated on the inner axis: with the free axis split over 'blocks' model
         # shards, every device's block of the fused weight is its own blocks of the separate ones.
@@ -356,26 +344,24 @@ def _eval_fused(jaxpr, consts, args, plan, arg_origins):
         y = _bind_fused_dot(first, side, shared, fused_w, lambda d: d + 1 if d > free else d)
         # the output's free axes of the other operand keep their order: find the blocks axis
         pos = _free_output_start(first, side, shared.ndim) + _free_axes(first, side).index(free)
-        offset = 0
+        made, offset = {}, 0
         for m, sz in zip(members, sizes):
             part = jax.lax.slice_in_dim(y, offset, offset + sz, axis=pos + 1)
-            env[jaxpr.eqns[m].outvars[0]] = part.reshape(
+            made[jaxpr.eqns[m].outvars[0]] = part.reshape(
                 part.shape[:pos] + (blocks * sz,) + part.shape[pos + 2:])
-            done.add(m)
             offset += sz
+        return made
 
-    def run_chain(k, side2, i, t, wside):
+    def run_chain(k, side2, i, t, wside, read):
         gate_spec, dot_spec, a, other, w = _reassociation(jaxpr, k, side2, i, t, wside)
         first, second = jaxpr.eqns[i], jaxpr.eqns[k]
         g = read(other)
         x = jax.numpy.einsum(gate_spec, read(a), _replicated(g, gates[k][1], plan.mesh) if k in gates else g)
         y = jax.numpy.einsum(dot_spec, x, read(w), precision=first.params.get("precision"),
                              preferred_element_type=second.outvars[0].aval.dtype)
-        env[second.outvars[0]] = y.astype(second.outvars[0].aval.dtype)
+        return {second.outvars[0]: y.astype(second.outvars[0].aval.dtype)}
 
-    for i in range(len(jaxpr.eqns)):
-        run(i)
-    return [read(v) for v in jaxpr.outvars]
+    return evaluate_on_demand(jaxpr, env, run)
 
 
 def _hoist_kv_repeats(jaxpr, plan, origins):
@@ -392,18 +378,22 @@ def _hoist_kv_repeats(jaxpr, plan, origins):
     repeats = list(found.items())
 
     def run(*args):
+        weights = {}
+
+        def hoisted(i, eqn, read):
+            if eqn.outvars and eqn.outvars[0] in found:
+                value, weights[eqn.outvars[0]] = kv_repeat.replay(found[eqn.outvars[0]], read,
+                                                                  _bind_with)
+                return {eqn.outvars[0]: value}
+            if id(eqn) in skip:
+                return {}
+            return dict(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+
         env = dict(jaxpr.const_env)
         env.update(zip(jaxpr.invars, args))
-        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-        weights = {}
-        for eqn in jaxpr.eqns:
-            if eqn.outvars[0] in found:
-                env[eqn.outvars[0]], weights[eqn.outvars[0]] = kv_repeat.replay(
-                    found[eqn.outvars[0]], read, _bind_with)
-            elif id(eqn) not in skip:
-                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+        outs = evaluate_on_demand(jaxpr, env, hoisted)
         # the repeated weights are returned too, to find their variables in the retraced jaxpr
-        return [read(v) for v in jaxpr.outvars] + [weights[v] for v, _ in repeats]
+        return outs + [weights[v] for v, _ in repeats]
 
     closed = jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
     n_out = len(jaxpr.outvars)

@@ -64,6 +64,42 @@ def evaluate(program, args, rule=None, consts=None):
     return [read(v) for v in jaxpr.outvars]
 
 
+def evaluate_on_demand(program, env, run_equation):
+    """The outputs of ``program`` (its variables' values so far in ``env``: inputs, constants)
+    with every equation run once, in order, except that one whose outputs are read before its
+    turn runs then: ``run_equation(position, eqn, read)`` returns ``{variable: value}`` for what
+    it computed (its outputs, none, or several equations' at once, which then count as run);
+    ``read(v)`` is any variable's value. For rewrites that run several equations as one (sibling
+    matmuls fused: each operand computed before the one matmul that uses them all)."""
+    jaxpr = opened(program)[0]
+    made_by, env, ran = producers(jaxpr), dict(env), set()
+
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if v not in env:
+            run(made_by[v])
+        return env[v]
+
+    def run(i):
+        if i in ran:
+            return
+        ran.add(i)
+        made = run_equation(i, jaxpr.eqns[i], read)
+        env.update(made)
+        ran.update(made_by[v] for v in made if v in made_by)
+
+    for i in range(len(jaxpr.eqns)):
+        run(i)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def where(program, test):
+    """``[(position, eqn)]``: the equations of ``program`` that pass ``test``, in program order
+    (a flat query: the programs they hold are not entered)."""
+    return [(i, eqn) for i, eqn in enumerate(opened(program)[0].eqns) if test(eqn)]
+
+
 def follow(program, facts_in, rule):
     """``{variable: fact}``: facts about ``program``'s variables, from those of its inputs
     (``facts_in``, None where nothing is known) forward: ``rule(eqn, facts)`` gives the facts
@@ -127,8 +163,13 @@ def output_axes(dot):
 
 
 def producers(jaxpr):
-    """{variable: index of the equation of ``jaxpr`` that makes it}."""
-    return {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    """{variable: position of the equation of ``jaxpr`` that makes it}."""
+    return {v: i for i, e in enumerate(opened(jaxpr)[0].eqns) for v in e.outvars}
+
+
+def makers(jaxpr):
+    """{variable: the equation of ``jaxpr`` that makes it}."""
+    return {v: e for e in opened(jaxpr)[0].eqns for v in e.outvars}
 
 
 def readers(jaxpr):

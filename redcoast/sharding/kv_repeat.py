@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from .interpreter import output_axes, read_once, readers
+from .interpreter import makers, output_axes, read_once, readers, where
 
 _ELEMENTWISE = frozenset("""
     add sub mul div neg max min exp exp2 log log1p expm1 tanh logistic sin cos sqrt rsqrt
@@ -37,9 +37,9 @@ def find_repeats(jaxpr, is_split):
     that weight (a variable of ``jaxpr``) along one of those axes (a split K/V needs no rewrite).
     """
     reads = readers(jaxpr)
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    producer = makers(jaxpr)
     found = []
-    for eqn in jaxpr.eqns:
+    for _, eqn in where(jaxpr, lambda e: e.primitive.name == "reshape"):
         repeat = _repeat_of(eqn, producer, reads)
         if repeat is None:
             continue
@@ -102,8 +102,8 @@ def _trace_back(jaxpr, x, axis, groups, producer, reads, is_split):
     # the chain: what is computed from one matmul's output on the way to x
     for dot in dots:
         chain_vars, region = {dot.outvars[0]}, []
-        for e in jaxpr.eqns:
-            if e in seen and any(v in chain_vars for v in e.invars if isinstance(v, jcore.Var)):
+        for _, e in where(jaxpr, lambda e: e in seen):
+            if any(v in chain_vars for v in e.invars if isinstance(v, jcore.Var)):
                 region.append(e)
                 chain_vars.update(e.outvars)
         if x in chain_vars:
