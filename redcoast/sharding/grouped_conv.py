@@ -36,14 +36,12 @@ jax 0.10.2, CPU), so it is not used. The guard recognises a kernel by the parame
 import warnings
 
 import jax
-from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from . import weight_origins
 from .axes import DATA_AXIS, MODEL_AXIS
 from .group_matmuls import conv_by_group_matmuls, split_groups_pin
-from .interpreter import (CALLS, PER_DEVICE, REMATS, bind, evaluate, rerun_inside, retraced,
-                          sub_programs, total)
+from .interpreter import PER_DEVICE, bind, sub_programs, total
 from .paths import leaves_with_paths
 
 CONV = "conv_general_dilated"
@@ -119,57 +117,25 @@ def _varying(x, axis):
 def _run_guarded(jaxpr, consts, args, mesh, batch_axis, arg_origins=None):
     """Run ``jaxpr`` with its grouped convolutions guarded (see the module docstring);
     ``arg_origins``: the parameter each of ``args`` carries, or None (weight_origins.py)."""
-    origins = weight_origins.propagate(jaxpr, arg_origins or [None] * len(jaxpr.invars))
-
-    def guarded(eqn, vals):
-        ins = [weight_origins.of(origins, v) for v in eqn.invars]
+    def guarded(eqn, vals, ins):
         if is_grouped_conv(eqn):
             guard = _conv_on_split_channels if channels_split(eqn, ins[1], mesh) else _conv_on_mesh
             return [guard(eqn, *vals, mesh, batch_axis)]
-        if eqn.primitive.name not in PER_DEVICE and any(grouped_convs(s) for _, _, s in sub_programs(eqn)):
-            return _guarded_call(eqn, vals, mesh, batch_axis, ins)
         return None
 
-    return evaluate(jaxpr, args, guarded, consts=consts)
+    def enters(program):
+        return bool(grouped_convs(program))
 
+    def opaque(eqn):  # custom_vjp / custom_jvp: their derivative is the user's own rule, out of redcoast's reach
+        warnings.warn(
+            f"a grouped convolution (feature_group_count > 1) inside '{eqn.primitive.name}' "
+            "cannot be guarded by redcoast; XLA's partitioner may return its kernel gradient "
+            "multiplied by the number of model shards. Check the layout with "
+            "trainer.check_layout(examples), or use n_model_shards=1.", stacklevel=7)
 
-def _body_origins(eqn, key, ins):
-    """The origins of the inputs of ``eqn``'s sub-program ``key`` (a loop or branch body) from
-    those of ``eqn``'s operands: loop constants keep theirs, carried values have none."""
-    name = eqn.primitive.name
-    if name == "scan":
-        return weight_origins.scan_body(eqn, ins)
-    if name == "cond":  # the first operand is the branch index
-        return ins[1:]
-    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    carry = [None] * (len(ins) - cn - bn)
-    return ins[:cn] + carry if key == "cond_jaxpr" else ins[cn:cn + bn] + carry
-
-
-def _guarded_call(eqn, vals, mesh, batch_axis, ins):
-    """An equation holding a grouped convolution in a sub-program, run with it guarded
-    (``ins``: the origins of its operands)."""
-    name = eqn.primitive.name
-    run_body = lambda j, c, a: _run_guarded(j, c, a, mesh, batch_axis, ins)  # noqa: E731
-    if name in CALLS or (name in REMATS and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr)):
-        return rerun_inside(eqn, vals, run_body)  # a remat body rematerialised as before
-    if name in ("scan", "while", "cond"):  # loop and branch bodies: ClosedJaxprs, replaced
-        params = dict(eqn.params)
-        for key, i, sub in sub_programs(eqn):
-            origins = _body_origins(eqn, key, ins)
-            guarded = retraced(sub, lambda j, c, a, o=origins: _run_guarded(j, c, a, mesh, batch_axis, o))
-            if i is None:
-                params[key] = guarded
-            else:
-                params[key] = tuple(guarded if j == i else s for j, s in enumerate(params[key]))
-        return bind(eqn, vals, params)
-    # custom_vjp / custom_jvp: their derivative is the user's own rule, out of redcoast's reach
-    warnings.warn(
-        f"a grouped convolution (feature_group_count > 1) inside '{name}' cannot be guarded by "
-        "redcoast; XLA's partitioner may return its kernel gradient multiplied by the number of "
-        "model shards. Check the layout with trainer.check_layout(examples), or use "
-        "n_model_shards=1.", stacklevel=6)  # the caller of the guarded function
-    return bind(eqn, vals)
+    return weight_origins.run_with_origins(jaxpr, consts, args,
+                                           arg_origins or [None] * len(jaxpr.invars),
+                                           lambda *_: guarded, enters, opaque)
 
 
 def guard_grouped_convs(fn, mesh, batch_axis=DATA_AXIS, plan=None):

@@ -14,7 +14,8 @@ import dataclasses
 import numpy as np
 from jax.extend import core as jcore
 
-from .interpreter import follow, scan_operand_groups
+from .interpreter import (CALLS, PER_DEVICE, REMATS, bind, evaluate, follow, rerun_inside, retraced,
+                          scan_operand_groups, sub_programs)
 
 # the same values, or a view of them: the output's axes are the input's
 _SAME = frozenset(("convert_element_type", "copy", "copy_p", "sharding_constraint",
@@ -75,6 +76,61 @@ def scan_body(eqn, ins):
         else:
             out.append(o.renumbered(range(1, len(o.axes))))
     return out
+
+
+def body_origins(eqn, key, ins):
+    """The origins of the inputs of ``eqn``'s sub-program ``key`` (a loop or branch body) from
+    those of ``eqn``'s operands: loop constants keep theirs, carried values have none."""
+    name = eqn.primitive.name
+    if name == "scan":
+        return scan_body(eqn, ins)
+    if name == "cond":  # the first operand is the branch index
+        return ins[1:]
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    carry = [None] * (len(ins) - cn - bn)
+    return ins[:cn] + carry if key == "cond_jaxpr" else ins[cn:cn + bn] + carry
+
+
+def run_with_origins(jaxpr, consts, args, arg_origins, rule_for, enters, opaque=None):
+    """The outputs of the flat ``jaxpr`` run on ``args``, each equation through ``rule(eqn,
+    values, origins of its operands)``, which returns its outputs or None (run as traced);
+    ``rule_for(jaxpr, origins)`` makes the rule of each program run ({variable: Origin}).
+
+    An equation holding a sub-program for which ``enters(program)`` holds is run with that
+    program rewritten the same way: a call's or a remat's body in place (a remat stays one,
+    with its policy), a loop's body or a branch retraced (loop constants keep their origins,
+    carries have none); a ``shard_map`` is left as it is. ``opaque(eqn)``, if given, is called for one the rule cannot enter (a
+    custom_vjp or custom_jvp: its derivative is the user's own rule), before it runs as traced.
+    """
+    origins = propagate(jaxpr, arg_origins)
+    rule = rule_for(jaxpr, origins)
+
+    def run_again(j, c, a, o):
+        return run_with_origins(j, c, a, o, rule_for, enters, opaque)
+
+    def each(eqn, vals):
+        ins = [of(origins, v) for v in eqn.invars]
+        out = rule(eqn, vals, ins)
+        if out is not None:
+            return out
+        name, subs = eqn.primitive.name, sub_programs(eqn)
+        if name in PER_DEVICE or not any(enters(sub) for _, _, sub in subs):
+            return None  # the user's own shard_map is computed per device, never partitioned
+        if name in CALLS or (name in REMATS and isinstance(eqn.params.get("jaxpr"), jcore.Jaxpr)):
+            return rerun_inside(eqn, vals, lambda j, c, a: run_again(j, c, a, ins))
+        if name in ("scan", "while", "cond"):  # loop and branch bodies: ClosedJaxprs, replaced
+            params = dict(eqn.params)
+            for key, i, sub in subs:
+                inner = body_origins(eqn, key, ins)
+                new = retraced(sub, lambda j, c, a, o=inner: run_again(j, c, a, o))
+                params[key] = new if i is None else tuple(
+                    new if k == i else s for k, s in enumerate(params[key]))
+            return bind(eqn, vals, params)
+        if opaque is not None:
+            opaque(eqn)
+        return None
+
+    return evaluate(jaxpr, args, each, consts=consts)
 
 
 def through(eqn, ins):
