@@ -29,6 +29,12 @@ RATES = {
 TIE = 0.01
 
 
+def flops_per_link_byte(mesh):
+    """How many FLOPs one byte between devices costs on ``mesh``'s platform (its ``RATES``)."""
+    r = RATES.get(mesh.devices.flat[0].platform, RATES["gpu"])
+    return r["flop_rate"] / r["link_rate"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """What the compiled step of one candidate costs, from XLA's analyses."""

@@ -14,11 +14,13 @@ import numpy as np
 import optax
 
 from ..errors import LossError
+from ..sharding.batch_split import split_batches_of_whole_weights
 from ..sharding.fusion import fuse_sibling_matmuls
 from ..sharding.grouped_conv import guard_grouped_convs
 from ..sharding.paths import leaves_with_paths
 from ..sharding.remat_weights import gather_in_remat, gathered_in_remat
 from ..sharding.scanned_weights import gather_layer_by_layer, scanned_leaves
+from .cost_model import flops_per_link_byte
 
 
 # optax.tree.norm replaced optax.global_norm (deprecated since optax 0.2.5)
@@ -159,7 +161,14 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
             fn = lambda p, b, r: inner(gathered(p, compute_dtype, shardings), b, r)  # noqa: E731
         if layer_specs:
             fn = gather_layer_by_layer(fn, mesh, weights, layer_specs)
-        return fn if mesh is None else guard_grouped_convs(fn, mesh, plan=guard_plan)
+        if mesh is None:
+            return fn
+        fn = guard_grouped_convs(fn, mesh, plan=guard_plan)
+        if guard_plan is None:
+            return fn
+        rows = [np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)]
+        return split_batches_of_whole_weights(fn, mesh, guard_plan, rows[0],
+                                              flops_per_link_byte(mesh)) if rows else fn
 
     def loss_and_grad(state, params, batch, rng):
         loss = objective_of(state, params, batch, rng)

@@ -1,0 +1,106 @@
+"""Matmuls of weights kept whole over the model shards run on a share of the batch per model shard
+(redcoast/sharding/batch_split.py, issue 51): SmolLM2's 9 heads over 4 model shards."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from redcoast import Deployer, Trainer
+from redcoast.layout import steps
+from redcoast.models import Model, llama
+from redcoast.sharding import batch_split, weight_origins
+from redcoast.sharding.paths import leaves_with_paths
+from redcoast.sharding.rewrite_plan import RewritePlan
+
+BATCH, SEQ = 8, 16
+
+
+def smollm2_shaped(layers=2):
+    """SmolLM2-135M's attention (hidden 576, 9 heads of 64, 3 K/V heads) with a narrow MLP."""
+    return Model(llama.LlamaForCausalLM, llama.LlamaConfig(
+        vocab_size=128, hidden_size=576, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=SEQ))
+
+
+def lm_loss(model):
+    def loss(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+    return loss
+
+
+def rows():
+    rng = np.random.default_rng(0)
+    return [{"ids": rng.integers(0, 128, SEQ + 1).astype(np.int32)} for _ in range(BATCH)]
+
+
+def collate(rs):
+    return {"ids": np.stack([r["ids"] for r in rs])}
+
+
+def trainer(model, n_model_shards=4):
+    return Trainer(Deployer(n_model_shards=n_model_shards, jax_seed=0, verbose=False), collate,
+                   model.apply, lm_loss(model), model.init(0), optax.sgd(0.1))
+
+
+def chosen_matmuls(trainer_, flops_per_byte):
+    """The weights (paths) whose matmuls the rewrite would split, from the traced loss."""
+    params = trainer_.params
+    plan = RewritePlan.from_sharding_plan(trainer_.plan)
+    batch = collate(rows())
+    closed = jax.make_jaxpr(lambda p: lm_loss(trainer_model)(None, None, p, batch, True))(params)
+    origins = weight_origins.of_weights(plan.leaf_splits(leaves_with_paths(params)))
+    found = batch_split._Found()
+    batch_split._walk(closed.jaxpr, weight_origins.propagate(closed.jaxpr, origins),
+                      [batch_split.NOTHING] * len(origins), found, 8, BATCH)
+    return batch_split.worth_splitting(found, trainer_.mesh, flops_per_byte), found
+
+
+trainer_model = smollm2_shaped()
+
+
+def test_the_matmuls_of_heads_that_do_not_divide_are_chosen_where_the_compute_pays():
+    t = trainer(trainer_model)
+    t.compile_train_step(collate(rows()))  # the plan from the traced loss
+    whole = {"/".join(pl.path) for pl in t.plan.compute_placements if "mp" not in str(pl.spec)}
+    assert {f"layers/0/self_attn/{n}_proj/kernel" for n in "qkvo"} <= whole
+    chosen, found = chosen_matmuls(t, flops_per_byte=667)  # CPU's rate
+    # Q, K, V and O of both layers, and the LM head, which the plan keeps whole too (a
+    # vocabulary of 128: not worth splitting); the MLP is split over the model shards
+    assert len(chosen) == 9 and not found.met
+    # gathered for a split matmul: O's outputs (the MLP reads them); Q, K and V feed O, and
+    # the logits the loss
+    assert len(found.gathered & set(found.matmuls)) == 2
+    # FLOPs saved per token, x3 for the backward pass, against the bytes (fp32) of the exits
+    # gathered forward and scattered backward: a platform whose link byte costs more keeps all
+    saved = 3 * 2 * 576 * (2 * (576 + 192 + 192 + 576) + 128)
+    moved = 2 * 4 * (2 * 576)
+    assert not chosen_matmuls(t, flops_per_byte=1.01 * saved / moved)[0]
+    assert len(chosen_matmuls(t, flops_per_byte=0.99 * saved / moved)[0]) == len(chosen)
+
+
+@pytest.mark.slow  # two compiled steps and a layout check: ~25 s
+def test_split_by_batch_the_step_computes_a_quarter_of_the_attention_and_trains_as_one_device(
+        monkeypatch):
+    t = trainer(trainer_model)
+    flops = t.compile_train_step(collate(rows())).cost_analysis()
+    flops = (flops[0] if isinstance(flops, (list, tuple)) else flops)["flops"]
+    monkeypatch.setattr(steps, "flops_per_link_byte", lambda mesh: float("inf"))
+    repeated = trainer(trainer_model).compile_train_step(collate(rows())).cost_analysis()
+    repeated = (repeated[0] if isinstance(repeated, (list, tuple)) else repeated)["flops"]
+    monkeypatch.undo()
+    # per device, on 2 x 4: Q/K/V/O on a quarter of each data shard's rows instead of all of them
+    qkvo = 2 * 2 * 576 * (576 + 192 + 192 + 576) * (BATCH // 2) * SEQ * 3  # layers, fwd + bwd
+    assert repeated - flops >= 0.6 * qkvo * (1 - 1 / 4), (repeated, flops)
+    report = t.check_layout(rows(), BATCH // 2)
+    assert report.ok and report.compared == "gradients"
+
+
+def test_nothing_changes_on_a_mesh_without_model_shards():
+    mesh = Deployer(n_model_shards=1, verbose=False).mesh
+
+    def fn(p, x):
+        return jnp.sum(x @ p["w"])
+    assert batch_split.split_batches_of_whole_weights(fn, mesh, RewritePlan(), 8, 667) is fn
