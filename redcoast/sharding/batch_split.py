@@ -39,8 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import weight_origins
 from .axes import DATA_AXIS, MODEL_AXIS
-from .interpreter import (CALLS, REMATS, bind, called, follow, opened, output_axes, sub_programs,
-                          total)
+from .interpreter import (CALLS, REMATS, bind, called, evaluate, follow, opened, output_axes,
+                          sub_programs, total)
 from .paths import leaves_with_paths
 
 
@@ -201,8 +201,9 @@ def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte):
         _walk(closed.jaxpr, weight_origins.propagate(closed.jaxpr, origins), [NOTHING] * len(flat),
               found, mesh.size, batch_size)
         chosen = worth_splitting(found, mesh, flops_per_byte)
-        if not chosen:
-            return fn(*args)
+        if not chosen:  # the program as traced (tracing ``fn`` again would cost as much again)
+            outs = evaluate(closed.jaxpr, flat, consts=closed.consts)
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
         entries = {i for i in chosen if not found.upstream[i] & chosen}
         outs = weight_origins.run_with_origins(
             closed.jaxpr, closed.consts, flat, origins,
