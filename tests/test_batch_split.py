@@ -45,28 +45,26 @@ def trainer(model, n_model_shards=4):
                    model.apply, lm_loss(model), model.init(0), optax.sgd(0.1))
 
 
-def chosen_matmuls(trainer_, flops_per_byte):
-    """The weights (paths) whose matmuls the rewrite would split, from the traced loss."""
+def chosen_matmuls(model, trainer_, flops_per_byte):
+    """(the matmuls the rewrite would split, what its walk found) in ``model``'s traced loss."""
     params = trainer_.params
     plan = RewritePlan.from_sharding_plan(trainer_.plan)
     batch = collate(rows())
-    closed = jax.make_jaxpr(lambda p: lm_loss(trainer_model)(None, None, p, batch, True))(params)
+    closed = jax.make_jaxpr(lambda p: lm_loss(model)(None, None, p, batch, True))(params)
     origins = weight_origins.of_weights(plan.leaf_splits(leaves_with_paths(params)))
     found = batch_split._Found()
     batch_split._walk(closed.jaxpr, weight_origins.propagate(closed.jaxpr, origins),
-                      [batch_split.NOTHING] * len(origins), found, 8, BATCH)
+                      [batch_split.NOTHING] * len(origins), found, trainer_.mesh.size, BATCH)
     return batch_split.worth_splitting(found, trainer_.mesh, flops_per_byte), found
 
 
-trainer_model = smollm2_shaped()
-
-
 def test_the_matmuls_of_heads_that_do_not_divide_are_chosen_where_the_compute_pays():
-    t = trainer(trainer_model)
+    model = smollm2_shaped()
+    t = trainer(model)
     t.compile_train_step(collate(rows()))  # the plan from the traced loss
     whole = {"/".join(pl.path) for pl in t.plan.compute_placements if "mp" not in str(pl.spec)}
     assert {f"layers/0/self_attn/{n}_proj/kernel" for n in "qkvo"} <= whole
-    chosen, found = chosen_matmuls(t, flops_per_byte=667)  # CPU's rate
+    chosen, found = chosen_matmuls(model, t, flops_per_byte=667)  # CPU's rate
     # Q, K, V and O of both layers, and the LM head, which the plan keeps whole too (a
     # vocabulary of 128: not worth splitting); the MLP is split over the model shards
     assert len(chosen) == 9 and not found.met
@@ -77,23 +75,25 @@ def test_the_matmuls_of_heads_that_do_not_divide_are_chosen_where_the_compute_pa
     # gathered forward and scattered backward: a platform whose link byte costs more keeps all
     saved = 3 * 2 * 576 * (2 * (576 + 192 + 192 + 576) + 128)
     moved = 2 * 4 * (2 * 576)
-    assert not chosen_matmuls(t, flops_per_byte=1.01 * saved / moved)[0]
-    assert len(chosen_matmuls(t, flops_per_byte=0.99 * saved / moved)[0]) == len(chosen)
+    assert not chosen_matmuls(model, t, flops_per_byte=1.01 * saved / moved)[0]
+    assert len(chosen_matmuls(model, t, flops_per_byte=0.99 * saved / moved)[0]) == len(chosen)
 
 
 @pytest.mark.slow  # two compiled steps and a layout check: ~25 s
 def test_split_by_batch_the_step_computes_a_quarter_of_the_attention_and_trains_as_one_device(
         monkeypatch):
-    t = trainer(trainer_model)
+    model = smollm2_shaped()
+    t = trainer(model)
     flops = t.compile_train_step(collate(rows())).cost_analysis()
     flops = (flops[0] if isinstance(flops, (list, tuple)) else flops)["flops"]
     monkeypatch.setattr(steps, "flops_per_link_byte", lambda mesh: float("inf"))
-    repeated = trainer(trainer_model).compile_train_step(collate(rows())).cost_analysis()
+    repeated = trainer(model).compile_train_step(collate(rows())).cost_analysis()
     repeated = (repeated[0] if isinstance(repeated, (list, tuple)) else repeated)["flops"]
     monkeypatch.undo()
     # per device, on 2 x 4: Q/K/V/O on a quarter of each data shard's rows instead of all of them
     qkvo = 2 * 2 * 576 * (576 + 192 + 192 + 576) * (BATCH // 2) * SEQ * 3  # layers, fwd + bwd
-    assert repeated - flops >= 0.6 * qkvo * (1 - 1 / 4), (repeated, flops)
+    # measured: 7.58e8 -> 2.13e8, 1.07x the Q/K/V/O share saved (the whole LM head's too)
+    assert repeated - flops >= qkvo * (1 - 1 / 4), (repeated, flops)
     report = t.check_layout(rows(), BATCH // 2)
     assert report.ok and report.compared == "gradients"
 

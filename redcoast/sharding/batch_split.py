@@ -206,7 +206,7 @@ def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte):
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
         entries = {i for i in chosen if not found.upstream[i] & chosen}
         outs = weight_origins.run_with_origins(
-            closed.jaxpr, closed.consts, flat, origins,
-            lambda *_: functools.partial(rule, chosen, entries), _has_matmul)
+            closed.jaxpr, closed.consts, flat, origins, functools.partial(rule, chosen, entries),
+            _has_matmul)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return split

@@ -126,7 +126,7 @@ def _run_guarded(jaxpr, consts, args, mesh, batch_axis, arg_origins=None):
     def enters(program):
         return bool(grouped_convs(program))
 
-    def opaque(eqn):  # custom_vjp / custom_jvp: their derivative is the user's own rule, out of redcoast's reach
+    def opaque(eqn):  # custom_vjp / custom_jvp: their derivative is the user's own rule
         warnings.warn(
             f"a grouped convolution (feature_group_count > 1) inside '{eqn.primitive.name}' "
             "cannot be guarded by redcoast; XLA's partitioner may return its kernel gradient "
@@ -135,7 +135,7 @@ def _run_guarded(jaxpr, consts, args, mesh, batch_axis, arg_origins=None):
 
     return weight_origins.run_with_origins(jaxpr, consts, args,
                                            arg_origins or [None] * len(jaxpr.invars),
-                                           lambda *_: guarded, enters, opaque)
+                                           guarded, enters, opaque)
 
 
 def guard_grouped_convs(fn, mesh, batch_axis=DATA_AXIS, plan=None):

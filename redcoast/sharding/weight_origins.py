@@ -14,8 +14,8 @@ import dataclasses
 import numpy as np
 from jax.extend import core as jcore
 
-from .interpreter import (CALLS, PER_DEVICE, REMATS, bind, evaluate, follow, rerun_inside, retraced,
-                          scan_operand_groups, sub_programs)
+from .interpreter import (CALLS, PER_DEVICE, REMATS, bind, evaluate, follow, rerun_inside,
+                          retraced, scan_operand_groups, sub_programs)
 
 # the same values, or a view of them: the output's axes are the input's
 _SAME = frozenset(("convert_element_type", "copy", "copy_p", "sharding_constraint",
@@ -91,22 +91,21 @@ def body_origins(eqn, key, ins):
     return ins[:cn] + carry if key == "cond_jaxpr" else ins[cn:cn + bn] + carry
 
 
-def run_with_origins(jaxpr, consts, args, arg_origins, rule_for, enters, opaque=None):
+def run_with_origins(jaxpr, consts, args, arg_origins, rule, enters, opaque=None):
     """The outputs of the flat ``jaxpr`` run on ``args``, each equation through ``rule(eqn,
-    values, origins of its operands)``, which returns its outputs or None (run as traced);
-    ``rule_for(jaxpr, origins)`` makes the rule of each program run ({variable: Origin}).
+    values, origins of its operands)``, which returns its outputs or None (run as traced).
 
     An equation holding a sub-program for which ``enters(program)`` holds is run with that
     program rewritten the same way: a call's or a remat's body in place (a remat stays one,
     with its policy), a loop's body or a branch retraced (loop constants keep their origins,
-    carries have none); a ``shard_map`` is left as it is. ``opaque(eqn)``, if given, is called for one the rule cannot enter (a
-    custom_vjp or custom_jvp: its derivative is the user's own rule), before it runs as traced.
+    carries have none); a ``shard_map`` is left as it is. ``opaque(eqn)``, if given, is called
+    for one the rule cannot enter (a custom_vjp or custom_jvp: its derivative is the user's own
+    rule), before it runs as traced.
     """
     origins = propagate(jaxpr, arg_origins)
-    rule = rule_for(jaxpr, origins)
 
     def run_again(j, c, a, o):
-        return run_with_origins(j, c, a, o, rule_for, enters, opaque)
+        return run_with_origins(j, c, a, o, rule, enters, opaque)
 
     def each(eqn, vals):
         ins = [of(origins, v) for v in eqn.invars]
