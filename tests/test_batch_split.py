@@ -79,21 +79,37 @@ def test_the_matmuls_of_heads_that_do_not_divide_are_chosen_where_the_compute_pa
     assert len(chosen_matmuls(model, t, flops_per_byte=0.99 * saved / moved)[0]) == len(chosen)
 
 
-@pytest.mark.slow  # two compiled steps and a layout check: ~25 s
+def flops_of(compiled):
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+def eval_flops(t):
+    layout, batch = t.layout, collate(rows())
+    batch, mask = (jax.device_put(x, layout.eval_batch_sharding) for x in (batch, np.ones(BATCH, bool)))
+    return flops_of(layout.eval_step.lower(t.state, batch, mask, jax.random.key(0)).compile())
+
+
+@pytest.mark.slow  # two compiled steps, their evaluations and a layout check: ~30 s
 def test_split_by_batch_the_step_computes_a_quarter_of_the_attention_and_trains_as_one_device(
         monkeypatch):
     model = smollm2_shaped()
     t = trainer(model)
-    flops = t.compile_train_step(collate(rows())).cost_analysis()
-    flops = (flops[0] if isinstance(flops, (list, tuple)) else flops)["flops"]
+    flops = flops_of(t.compile_train_step(collate(rows())))
     monkeypatch.setattr(steps, "flops_per_link_byte", lambda mesh: float("inf"))
-    repeated = trainer(model).compile_train_step(collate(rows())).cost_analysis()
-    repeated = (repeated[0] if isinstance(repeated, (list, tuple)) else repeated)["flops"]
+    repeating = trainer(model)
+    repeated = flops_of(repeating.compile_train_step(collate(rows())))
+    repeated_eval = eval_flops(repeating)
     monkeypatch.undo()
     # per device, on 2 x 4: Q/K/V/O on a quarter of each data shard's rows instead of all of them
-    qkvo = 2 * 2 * 576 * (576 + 192 + 192 + 576) * (BATCH // 2) * SEQ * 3  # layers, fwd + bwd
+    qkvo = 2 * 2 * 576 * (576 + 192 + 192 + 576) * (BATCH // 2) * SEQ  # layers, forward
     # measured: 7.58e8 -> 2.13e8, 1.07x the Q/K/V/O share saved (the whole LM head's too)
-    assert repeated - flops >= qkvo * (1 - 1 / 4), (repeated, flops)
+    assert repeated - flops >= 3 * qkvo * (1 - 1 / 4), (repeated, flops)
+    # the evaluation too (measured 2.49e8 -> 6.77e7), and its loss is one device's
+    assert repeated_eval - eval_flops(t) >= qkvo * (1 - 1 / 4), (repeated_eval, eval_flops(t))
+    # (batches of 8 rows both: 4 per data shard of 2 x 4, 1 per device of 8 x 1)
+    np.testing.assert_allclose(t.eval_loss(rows(), BATCH // 2),
+                               trainer(model, 1).eval_loss(rows(), BATCH // 8), rtol=1e-5)
     report = t.check_layout(rows(), BATCH // 2)
     assert report.ok and report.compared == "gradients"
 

@@ -244,10 +244,14 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,),
                          compiler_options=compiler_options.for_mesh(mesh))
-    eval_step = jax.jit(make_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings()),
+    # the evaluation's matmuls of weights kept whole split by batch as the training's are
+    split_plan = RewritePlan.from_sharding_plan(plan)
+    eval_step = jax.jit(make_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings(),
+                                       mesh, split_plan),
                         in_shardings=(state_shardings, rows, rows, replicated),
                         out_shardings=replicated)
-    by_batch = make_batch_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings())
+    by_batch = make_batch_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings(),
+                                    mesh, split_plan)
     batch_eval_steps = tuple(jax.jit(by_batch, in_shardings=(state_shardings, placed, replicated),
                                      out_shardings=replicated) for placed in (rows, replicated))
     return Layout(candidate, mesh, plan, state_shardings, batch_sharding, rows, replicated,

@@ -123,6 +123,16 @@ def with_frozen_cast(state, compute_dtype):
     return state.replace(frozen_params=cast_floating(state.frozen_params, compute_dtype))
 
 
+def _split_by_batch(fn, batch, mesh, plan, training):
+    """``fn(params, batch, ...)`` with the matmuls of weights ``plan`` keeps whole over the model
+    shards run on a share of ``batch`` per device where that pays (sharding/batch_split.py)."""
+    if mesh is None or plan is None:
+        return fn
+    rows = [np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)]
+    return split_batches_of_whole_weights(fn, mesh, plan, rows[0], flops_per_link_byte(mesh),
+                                          training=training) if rows else fn
+
+
 def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardings=None,
                        mesh=None, guard_plan=None, stored_shardings=None):
     """``loss_and_grad(state, params, batch, rng) -> (loss, metrics, grads)``: the training
@@ -172,11 +182,7 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
         if mesh is None:
             return fn
         fn = guard_grouped_convs(fn, mesh, plan=guard_plan)
-        if guard_plan is None:
-            return fn
-        rows = [np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)]
-        return split_batches_of_whole_weights(fn, mesh, guard_plan, rows[0],
-                                              flops_per_link_byte(mesh)) if rows else fn
+        return _split_by_batch(fn, batch, mesh, guard_plan, training=True)
 
     def loss_and_grad(state, params, batch, rng):
         loss = objective_of(state, params, batch, rng)
@@ -265,7 +271,7 @@ def make_train_step(loss_fn, compute_dtype, accumulate_grad_batches, grad_shardi
     return step
 
 
-def make_eval_step(loss_fn, compute_dtype, compute_shardings=None):
+def make_eval_step(loss_fn, compute_dtype, compute_shardings=None, mesh=None, split_plan=None):
     """``step(state, batch, mask, rng) -> (sums, count, spread)``: example-weighted loss and
     metrics.
 
@@ -273,17 +279,23 @@ def make_eval_step(loss_fn, compute_dtype, compute_shardings=None):
     result is the mean over examples whatever the batch size, and padded rows (``mask`` False)
     count for nothing. ``spread``: the smallest and largest loss of the real rows (equal losses
     for different examples hint at a loss defined over the batch, see
-    :func:`make_batch_eval_step`).
+    :func:`make_batch_eval_step`). With ``mesh`` and ``split_plan`` (the ``RewritePlan`` of the
+    parameters' plan), the matmuls of weights kept whole over the model shards run on a share
+    of the batch each, as in training (sharding/batch_split.py).
     """
     def step(state, batch, mask, rng):
-        params = gathered(state.params, compute_dtype, compute_shardings)
         state = with_frozen_cast(state, compute_dtype)
 
-        def one(example):
-            example = jax.tree_util.tree_map(lambda x: x[None], example)
-            return split_loss_output(loss_fn(rng, state, params, example, False))
+        def losses_of(stored, batch):
+            params = gathered(stored, compute_dtype, compute_shardings)
 
-        losses, metrics = jax.vmap(one)(batch)
+            def one(example):
+                example = jax.tree_util.tree_map(lambda x: x[None], example)
+                return split_loss_output(loss_fn(rng, state, params, example, False))
+            return jax.vmap(one)(batch)
+
+        losses, metrics = _split_by_batch(losses_of, batch, mesh, split_plan,
+                                          training=False)(state.params, batch)
         weights = mask.astype(jnp.float32)
         sums = {"loss": jnp.sum(losses * weights),
                 **{k: jnp.sum(v * weights) for k, v in metrics.items()}}
@@ -293,14 +305,19 @@ def make_eval_step(loss_fn, compute_dtype, compute_shardings=None):
     return step
 
 
-def make_batch_eval_step(loss_fn, compute_dtype, compute_shardings=None):
+def make_batch_eval_step(loss_fn, compute_dtype, compute_shardings=None, mesh=None,
+                         split_plan=None):
     """``step(state, batch, rng) -> (sums, count)``: ``loss_fn`` applied to the whole batch, as
     a loss defined over the batch needs (a contrastive loss is 0 on a batch of one); ``sums``
-    are its loss and metrics times the batch's rows, every row real."""
+    are its loss and metrics times the batch's rows, every row real. ``mesh``, ``split_plan``:
+    as for :func:`make_eval_step`."""
     def step(state, batch, rng):
-        params = gathered(state.params, compute_dtype, compute_shardings)
-        loss, metrics = split_loss_output(
-            loss_fn(rng, with_frozen_cast(state, compute_dtype), params, batch, False))
+        def loss_of(stored, batch):
+            return loss_fn(rng, with_frozen_cast(state, compute_dtype),
+                           gathered(stored, compute_dtype, compute_shardings), batch, False)
+
+        loss, metrics = split_loss_output(_split_by_batch(loss_of, batch, mesh, split_plan,
+                                                          training=False)(state.params, batch))
         rows = jnp.float32(jax.tree_util.tree_leaves(batch)[0].shape[0])
         return {"loss": loss * rows, **{k: v * rows for k, v in metrics.items()}}, rows
 

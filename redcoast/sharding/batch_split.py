@@ -134,12 +134,12 @@ def _walk(program, origins, facts_in, found, devices, batch_size, trips=1):
             for v in opened(program)[0].outvars]
 
 
-def worth_splitting(found, mesh, flops_per_byte):
+def worth_splitting(found, mesh, flops_per_byte, training=True):
     """The ids of the matmuls to split: the qualifying ones that meet no split (nor feed one
-    that does), if the compute they stop repeating (x3: forward and backward) outweighs, at
-    ``flops_per_byte``, the bytes they add (each output a split weight's matmul reads:
-    all-gathered forward, reduce-scattered backward); else none. Per device: the traced
-    program is global."""
+    that does), if the compute they stop repeating (x3 in ``training``: forward and backward)
+    outweighs, at ``flops_per_byte``, the bytes they add (each output a split weight's matmul
+    reads: all-gathered forward, and in training reduce-scattered backward); else none. Per
+    device: the traced program is global."""
     met, todo = set(), list(found.met)
     while todo:  # what a met matmul's input came from would feed it split otherwise
         i = todo.pop()
@@ -149,8 +149,9 @@ def worth_splitting(found, mesh, flops_per_byte):
     chosen = set(found.matmuls) - met
     dp, mp = mesh.shape.get(DATA_AXIS, 1), mesh.shape.get(MODEL_AXIS, 1)
     share = (1 - 1 / mp) / dp
-    saved = sum(3 * found.matmuls[i][0] for i in chosen) * share
-    moved = sum(2 * found.matmuls[i][1] for i in chosen & found.gathered) * share
+    passes, transfers = (3, 2) if training else (1, 1)
+    saved = sum(passes * found.matmuls[i][0] for i in chosen) * share
+    moved = sum(transfers * found.matmuls[i][1] for i in chosen & found.gathered) * share
     return chosen if chosen and saved > moved * flops_per_byte else set()
 
 
@@ -170,11 +171,12 @@ def _has_matmul(program):
     return total(program, _matmuls) > 0
 
 
-def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte):
+def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte, training=True):
     """``fn(params, ...)`` with the matmuls of weights ``plan`` (a RewritePlan of ``params``,
     rewrite_plan.py) keeps whole over the model shards run on a share of the batch per device,
     where that pays at ``flops_per_byte`` (see the module docstring); ``batch_size``: the
-    global batch's leading size. On a mesh without model shards, or with the plan unknown,
+    global batch's leading size; ``training``: whether ``fn`` is differentiated (the backward
+    pass saves and moves as much again). On a mesh without model shards, or with the plan unknown,
     ``fn`` itself."""
     if mesh.shape.get(MODEL_AXIS, 1) == 1 or not plan.knows_placements:
         return fn
@@ -200,7 +202,7 @@ def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte):
         found = _Found()
         _walk(closed.jaxpr, weight_origins.propagate(closed.jaxpr, origins), [NOTHING] * len(flat),
               found, mesh.size, batch_size)
-        chosen = worth_splitting(found, mesh, flops_per_byte)
+        chosen = worth_splitting(found, mesh, flops_per_byte, training)
         if not chosen:  # the program as traced (tracing ``fn`` again would cost as much again)
             outs = evaluate(closed.jaxpr, flat, consts=closed.consts)
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
