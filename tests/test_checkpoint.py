@@ -10,6 +10,7 @@ import time
 import numpy as np
 import optax
 import pytest
+from filelock import FileLock
 
 from redcoast import ConfigError, Deployer, Trainer
 from redcoast.store.checkpoint import CheckpointStore
@@ -39,10 +40,19 @@ def assert_bitwise_equal(a, b):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    d = tmp_path_factory.mktemp("uninterrupted")
-    params, _ = finish(d / "workdir", d / "final.npz")
-    return params
+def uninterrupted(tmp_path_factory, worker_id):
+    """The uninterrupted run's parameters, run once per test session: CI's two xdist workers
+    share it through their common temporary folder (40 s each before)."""
+    if worker_id == "master":  # no xdist
+        d = tmp_path_factory.mktemp("uninterrupted")
+        return finish(d / "workdir", d / "final.npz")[0]
+    d = tmp_path_factory.getbasetemp().parent / "uninterrupted"
+    with FileLock(str(d) + ".lock"):
+        if not (d / "final.npz").exists():
+            d.mkdir(exist_ok=True)
+            finish(d / "workdir", d / "partial.npz")
+            os.replace(d / "partial.npz", d / "final.npz")
+    return dict(np.load(d / "final.npz"))
 
 
 def saving_in_progress(workdir):
