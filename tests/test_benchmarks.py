@@ -34,3 +34,19 @@ def test_real_size_tiny_runs_every_program_and_their_losses_agree():
     assert [(r[0], r[1]) for r in rows] == [("2x4", "redcoast"), ("2x4", "hand"),
                                            ("4x2", "redcoast"), ("4x2", "hand")], out.stdout
     assert all("agree;" in " ".join(r) for r in rows if r[1] == "redcoast"), out.stdout
+
+
+@pytest.mark.slow
+def test_generate_tiny_times_every_row_and_gives_the_hand_loops_tokens():
+    # issue 51's generation benchmark shrunk: the bandwidth, decode at batch 1 and every
+    # setting against the hand-written loop; it exits non-zero where the tokens differ
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it sets its own devices
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "generate.py"),
+                          "--tiny"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "memory bandwidth" in text and "same tokens: yes" in text, text
+    rows = [line.split() for line in text.splitlines() if line.startswith(("greedy", "beam2"))]
+    assert len(rows) == 6 and all(r[-1] == "yes" for r in rows), text
+    decode = [line.split() for line in text.splitlines() if line.startswith(("redcoast ", "hand "))]
+    assert [r[0] for r in decode] == ["redcoast", "hand"] and all(r[-1].endswith("%") for r in decode)
