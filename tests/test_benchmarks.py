@@ -1,4 +1,4 @@
-"""The GPU benchmark keeps running on CPU (its --tiny mode), so it does not rot between GPU runs."""
+"""The benchmarks keep running on CPU (their --tiny modes), so they do not rot between runs."""
 
 import os
 import subprocess
@@ -9,13 +9,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def tiny_run(script, timeout=600):
+    """``benchmarks/<script> --tiny``'s standard output, the script having exited 0."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it sets its own devices
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--tiny"],
+                         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 @pytest.mark.slow
 def test_gpu_mfu_tiny_runs_and_reports():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it sets its own devices
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_mfu.py"), "--tiny"],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    text = out.stdout
+    text = tiny_run("gpu_mfu.py")
     for expected in ("candidate: per-device batch 2, remat False", "-> fits", "jax ",
                      "FLOPs per token (6N + 12*L*s*h)", "redcoast Trainer :", "hand-written jit :",
                      "redcoast / hand-written step time:", "attention xla"):
@@ -26,25 +31,18 @@ def test_gpu_mfu_tiny_runs_and_reports():
 def test_real_size_tiny_runs_every_program_and_their_losses_agree():
     # B2 (issue 51) shrunk: SmolLM2's and a 1B Llama's shapes at width 64, a mesh each; the
     # script exits non-zero where redcoast's and the hand-written step's eval losses disagree
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it sets its own devices
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "real_size.py"),
-                          "--tiny"], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith(("2x4", "4x2"))]
+    text = tiny_run("real_size.py", timeout=900)
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("2x4", "4x2"))]
     assert [(r[0], r[1]) for r in rows] == [("2x4", "redcoast"), ("2x4", "hand"),
-                                           ("4x2", "redcoast"), ("4x2", "hand")], out.stdout
-    assert all("agree;" in " ".join(r) for r in rows if r[1] == "redcoast"), out.stdout
+                                           ("4x2", "redcoast"), ("4x2", "hand")], text
+    assert all("agree;" in " ".join(r) for r in rows if r[1] == "redcoast"), text
 
 
 @pytest.mark.slow
 def test_generate_tiny_times_every_row_and_gives_the_hand_loops_tokens():
     # issue 51's generation benchmark shrunk: the bandwidth, decode at batch 1 and every
     # setting against the hand-written loop; it exits non-zero where the tokens differ
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it sets its own devices
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "generate.py"),
-                          "--tiny"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    text = out.stdout
+    text = tiny_run("generate.py")
     assert "memory bandwidth" in text and "same tokens: yes" in text, text
     rows = [line.split() for line in text.splitlines() if line.startswith(("greedy", "beam2"))]
     assert len(rows) == 6 and all(r[-1] == "yes" for r in rows), text
