@@ -237,13 +237,14 @@ def main():
     else:
         argv = [sys.executable, os.path.abspath(__file__), "--decode-only"] + sys.argv[1:]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        same = subprocess.run(argv, env=env).returncode == 0
+        same = subprocess.run(argv, env=env).returncode == 0  # non-zero: differing or failed
         from redcoast.simulate import simulate_cpu_devices
 
         simulate_cpu_devices(8)
     same &= batch_rows(args)
     if not same:
-        sys.exit("redcoast's tokens differ from the hand-written loop's")
+        sys.exit("redcoast's tokens differ from the hand-written loop's, or a section failed "
+                 "(see above)")
 
 
 if __name__ == "__main__":

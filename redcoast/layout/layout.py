@@ -222,9 +222,10 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
                if candidate.fuse_matmuls and recipe.train_step_fn is None else None)
     rows = NamedSharding(mesh, P(DATA_AXIS))
     grad_step = None
+    # the grouped-convolution guard splits channels as the plan does, fused or not, and the
+    # matmuls of weights kept whole are split by batch in training and evaluation alike
+    guard_plan = RewritePlan.from_sharding_plan(plan)
     if recipe.train_step_fn is None:
-        # the grouped-convolution guard splits channels as the plan does, fused or not
-        guard_plan = RewritePlan.from_sharding_plan(plan)
         step_fn = make_train_step(
             loss_fn, recipe.compute_dtype, recipe.accumulate_grad_batches,
             grad_shardings=state_shardings.params, rewrite_plan=rewrite,
@@ -244,14 +245,12 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,),
                          compiler_options=compiler_options.for_mesh(mesh))
-    # the evaluation's matmuls of weights kept whole split by batch as the training's are
-    split_plan = RewritePlan.from_sharding_plan(plan)
     eval_step = jax.jit(make_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings(),
-                                       mesh, split_plan),
+                                       mesh, guard_plan),
                         in_shardings=(state_shardings, rows, rows, replicated),
                         out_shardings=replicated)
     by_batch = make_batch_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings(),
-                                    mesh, split_plan)
+                                    mesh, guard_plan)
     batch_eval_steps = tuple(jax.jit(by_batch, in_shardings=(state_shardings, placed, replicated),
                                      out_shardings=replicated) for placed in (rows, replicated))
     return Layout(candidate, mesh, plan, state_shardings, batch_sharding, rows, replicated,
