@@ -107,6 +107,7 @@ class Trainer:
                               frozen_params, first)
         self._state, self.is_abstract, self._host_keys = start.state, start.abstract, start.host_keys
         self._progress = Progress(train_key=start.keys[0], eval_key=start.keys[1])
+        self._opt_state_fresh = True  # tx.init(params): made again, not moved, at the first batch
         self._layout_checked = False  # by check_layout, or by train/fit(check_layout=True)
         self.layout = build_layout(self.recipe, first, self.deployer.mesh, start.plan,
                                    self._state, final=False)
@@ -150,6 +151,7 @@ class Trainer:
                                               self.fsdp, self.fuse_matmuls))
         if opt_state is not None:
             self._state = with_opt_state(self.layout, self._state, opt_state)
+            self._opt_state_fresh = False
         if progress is not None:
             self.set_progress(progress)
 
@@ -183,6 +185,8 @@ class Trainer:
         validate.live_arrays("params", params)
         self._state = with_params(self.layout, self._state, params, reset_opt_state,
                                   self.is_abstract, self.deployer.platform)
+        # kept, the optimizer state is no longer tx.init of these params
+        self._opt_state_fresh = self._opt_state_fresh and (reset_opt_state or self.is_abstract)
         if self.is_abstract:  # the keys a Trainer built from these params starts with
             keys = jax.device_put(self._host_keys, self.layout.replicated)
             self._progress = self._progress.replace(train_key=keys[0], eval_key=keys[1])
@@ -234,7 +238,8 @@ class Trainer:
     def _adopt(self, layout):
         """Run in ``layout`` from now on: the state and random keys move to it (donated)."""
         self._state, keys = moved_to(layout, self.layout, self._state, self.is_abstract,
-                                     (self._progress.train_key, self._progress.eval_key))
+                                     (self._progress.train_key, self._progress.eval_key),
+                                     fresh_opt_state=self._opt_state_fresh)
         self._progress = self._progress.replace(train_key=keys[0], eval_key=keys[1])
         self.layout = layout
         self._meter = StepMeter(layout, self.compute_dtype, self.accumulate_grad_batches,
@@ -552,6 +557,7 @@ class Trainer:
         check_fingerprint(meta.get("frozen_params"), self._state.frozen_params,  # its base
                           where=f"The checkpoint {store.directory}/{meta['step']}")
         self._state = self.layout.stored.state_to_storage(self._state.replace(**arrays))
+        self._opt_state_fresh = False
         self._progress = Progress.from_meta(
             meta, examples_trained(meta, per_update, self.deployer.log_warning),
             lambda key: jax.device_put(key, self.layout.replicated))

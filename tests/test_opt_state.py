@@ -80,3 +80,59 @@ def test_state_leaf_spec_matches_by_path_and_shape():
     assert state_leaf_spec(("0", "v", "params", "w"), (1,), by_path) == P()
     square = {("w",): ((8, 8), P(None, "mp"))}
     assert state_leaf_spec(("v_row", "w"), (8,), square) == P()  # ambiguous: replicated
+
+
+def _mlp_trainer(tx):
+    model = MLP()
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16)))["params"]
+    trainer = Trainer(Deployer(n_model_shards=4, verbose=False), collate, model.apply, loss,
+                      params, tx)
+    batch = collate([(np.ones(16, np.float32), np.zeros(16, np.float32))] * 8)
+    return trainer, params, batch
+
+
+def _specs(tree):
+    return [x.sharding.spec for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_an_optimizer_state_given_before_the_first_batch_is_moved_not_made_again():
+    # a fresh optimizer state is made again on the chosen layout (cheaper than moving it);
+    # one given by restart(opt_state=...) must arrive there as it was
+    tx = optax.adam(1e-3)
+    trainer, params, batch = _mlp_trainer(tx)
+    given = jax.tree_util.tree_map(
+        lambda x: x + (3 if jnp.issubdtype(x.dtype, jnp.integer) else 0.25), tx.init(params))
+    trainer.restart(opt_state=given)
+    before = _specs(trainer.state.opt_state)
+    trainer.compile_train_step(batch)
+    assert _specs(trainer.state.opt_state) != before  # the layout changed: the state moved
+    for got, want in zip(jax.tree_util.tree_leaves(trainer.state.opt_state),
+                         jax.tree_util.tree_leaves(given)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    fresh, params, batch = _mlp_trainer(tx)
+    fresh.compile_train_step(batch)
+    for got, want in zip(jax.tree_util.tree_leaves(fresh.state.opt_state),
+                         jax.tree_util.tree_leaves(tx.init(params))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert _specs(fresh.state.opt_state) == _specs(trainer.state.opt_state)
+
+
+def test_an_optimizer_state_holding_the_parameters_keeps_them_when_made_again():
+    # e.g. lookahead's slow copy, schedule-free's z: the old state is freed, never the params
+    def init(params):
+        return {"start": params, "count": jnp.zeros((), jnp.int32)}
+
+    def update(grads, state, params=None):
+        updates = jax.tree_util.tree_map(lambda g, p, s: -0.1 * g + 0.01 * (s - p),
+                                         grads, params, state["start"])
+        return updates, {"start": state["start"], "count": state["count"] + 1}
+
+    trainer, params, batch = _mlp_trainer(optax.GradientTransformation(init, update))
+    trainer.compile_train_step(batch)
+    for got, want in zip(jax.tree_util.tree_leaves(trainer.state.opt_state["start"]),
+                         jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for got, want in zip(jax.tree_util.tree_leaves(trainer.params),
+                         jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -68,18 +68,39 @@ def batches_like(example_batch, accumulate_grad_batches: int, n_data_shards: int
         (x.shape[0] * mesh.shape[DATA_AXIS] // n_data_shards, *x.shape[1:]), x.dtype), micro)
 
 
-def moved_to(layout, old, state, abstract: bool, keys: tuple) -> tuple:
+def moved_to(layout, old, state, abstract: bool, keys: tuple, fresh_opt_state: bool = False
+             ) -> tuple:
     """``(state, keys)`` moved from layout ``old`` to ``layout`` (the state donated: a model may
-    fill the devices); between layouts the state is in the user's layout. On shapes alike."""
+    fill the devices); between layouts the state is in the user's layout. On shapes alike.
+    ``fresh_opt_state``: the optimizer state is still ``tx.init(params)`` (nothing stepped,
+    restored or given): it is made again in ``layout`` rather than moved, which costs one
+    program instead of a transfer per array (Adam's two moments are 2/3 of the state)."""
     if abstract:
         user = jax.eval_shape(old.stored.state_to_user, state)
         state = shapes_of(layout.stored.state_to_storage,
                           placed(user, layout.state_shardings), layout.state_shardings)
         return state, placed(keys, (layout.replicated, layout.replicated))
     user = old.stored.state_to_user(state)
-    state = layout.stored.state_to_storage(
-        placement.device_put(user, layout.state_shardings, donate=True))
+    if not fresh_opt_state:
+        state = layout.stored.state_to_storage(
+            placement.device_put(user, layout.state_shardings, donate=True))
+        return state, placement.device_put(keys, layout.replicated)
+    shardings = layout.state_shardings
+    _drop_made_here(user.opt_state, keep=user.params)  # freed before anything new is placed
+    moved = placement.device_put(user.replace(opt_state=()), shardings.replace(opt_state=()),
+                                 donate=True)
+    opt_state = jax.jit(moved.tx.init, out_shardings=shardings.opt_state)(moved.params)
+    state = layout.stored.state_to_storage(moved.replace(opt_state=opt_state))
     return state, placement.device_put(keys, layout.replicated)
+
+
+def _drop_made_here(tree, keep) -> None:
+    """Free the buffers of ``tree`` that are not among ``keep``'s (an optimizer state may hold
+    the parameters themselves, e.g. lookahead's slow copy)."""
+    kept = {id(x) for x in jax.tree_util.tree_leaves(keep)}
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+            x.delete()
 
 
 def _layout_memory(recipe: Recipe, deployer, options: Mapping, shard_counts) -> LayoutMemory | None:
