@@ -19,13 +19,8 @@ from redcoast.layout.comms import megatron_ideal, per_layer
 from written_by_others import PATTERNS, TOP_K
 
 # Patterns the analysis plans right but the compiled step does not yet move Megatron's bytes for
-NOT_YET = {
-    # the router is kept whole (1.43x -> 1.24x), but XLA's propagation still splits the routing
-    # (softmax, arg-max, masks) along the experts split in the expert kernels, from the dispatch
-    # and combine tensors up; pinning both whole in fusion.py measured 1.125x (one all-gather
-    # of the combine's cotangent left): issue 49, pattern 4
-    "einsum_moe": "XLA splits the routing along the experts (1.24x Megatron's bytes)",
-}
+# (GShard's top-2 MoE was one, 1.24x, until its routing was pinned whole: fusion._routing)
+NOT_YET = {}
 
 N = 4
 
@@ -165,6 +160,11 @@ def test_a_router_only_reduced_over_its_experts_stays_whole():
     assert placed["Block_0/MoE_0/router/kernel"] == P()
     assert placed["Block_0/MoE_0/wi"] == placed["Block_0/MoE_0/wo"] == P("mp")
     assert placed["lm_head/kernel"] == P(None, "mp")  # wider than hidden: vocabulary-parallel
+    # marked as a router (its routing pinned whole in the step, fusion._routing); nothing else
+    from redcoast.sharding.dataflow import dataflow_placements
+    routers = [pl.path for pl in dataflow_placements(loss, params, _tokens(), n_model_shards=N)
+               if pl.routes]
+    assert routers == [("Block_0", "MoE_0", "router", "kernel")]
 
 
 def test_a_time_embedding_reshaped_with_size_one_axes_and_broadcast_splits_with_its_block():

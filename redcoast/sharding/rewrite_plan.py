@@ -19,10 +19,11 @@ from .paths import path_to_str
 class WeightSplit:
     """One parameter leaf: its path and shape, and ``axes``: ((axis, groups), ...) for each axis
     the plan splits over the model shards (``groups`` None: over every shard; k: over k groups
-    of consecutive shards)."""
+    of consecutive shards). ``routes``: a router kept whole (rules.Placement.routes)."""
     path: tuple
     shape: tuple
     axes: tuple = ()
+    routes: bool = False
 
     def groups(self, axis):
         """None when the plan does not split ``axis``; else the entry's ``groups`` as ``(groups,)``."""
@@ -74,7 +75,7 @@ class RewritePlan:
                     name, groups = parse_grouped(names[0])
                     if name == axis_name:
                         axes.append((axis, groups))
-            weights.append(WeightSplit(tuple(pl.path), tuple(pl.shape), tuple(axes)))
+            weights.append(WeightSplit(tuple(pl.path), tuple(pl.shape), tuple(axes), pl.routes))
         return cls(blocks=blocks, mesh=mesh, data_shards=sizes.get(DATA_AXIS, 1), weights=tuple(weights))
 
     @property

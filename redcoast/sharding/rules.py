@@ -34,6 +34,9 @@ class Placement:
     reason: str
     # a matmul, convolution or embedding weight the data flow saw: Megatron would split it
     weight: bool = False
+    # kept whole as a router (split_ends.py): the routing computed from its output is pinned
+    # whole too (fusion.py), or XLA splits it along the experts it feeds
+    routes: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "spec", normalize_spec(self.spec))

@@ -30,6 +30,7 @@ class Analysis:
         self.width = width
         self.choice = {}       # leaf -> index of the candidate axis to try
         self.final = {}        # leaf -> reason it is replicated (candidates exhausted)
+        self.routing = {}      # leaf -> the split_ends reason it was blamed with (a router)
         self.wish = {}         # leaf -> parameter axis another split asks it to follow
         self.candidates = {}   # leaf -> [parameter axes] tried as column splits
         self.undivisible = {}  # leaf -> reason no candidate divided
@@ -74,6 +75,7 @@ class Analysis:
             self.split_ends.note(frozenset().union(*returned), KEPT)  # outputs are used split
             for leaf, reason in self.split_ends.blames(self.is_split).items():
                 self.blamed.setdefault(leaf, reason)
+                self.routing[leaf] = reason
             if not self.blamed and not self.new_wishes:
                 return
             # blames downstream of another conflict's fallback are not trusted this round
@@ -331,6 +333,11 @@ class Analysis:
         self.taint_out = True
 
     # ---- the result ----------------------------------------------------------------------------
+    def routes(self, leaf):
+        """Whether ``leaf`` is kept whole because its split output is only ever reduced over
+        the split axis (split_ends.py: a router's scores)."""
+        return leaf in self.final and self.final[leaf] == self.routing.get(leaf)
+
     def placement(self, leaf):
         """(parameter axis or None, reason)."""
         shape = self.shapes[leaf]

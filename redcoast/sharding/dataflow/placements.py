@@ -101,7 +101,7 @@ def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_head
                       "its query heads read")
         weight = len(shapes[i]) >= 2 and (i in analysis.used or axis is not None)
         out.append(Placement(path, shapes[i], getattr(x, "dtype", np.float32), spec, reason,
-                             weight))
+                             weight, routes=axis is None and analysis.routes(i)))
     return out
 
 
