@@ -226,19 +226,26 @@ def _routing(jaxpr, plan, origins):
     whole, each shard slices its experts' part of dispatch and combine locally."""
     if plan.mesh is None or not plan.knows_placements:
         return set()
-    routed, constant, out = set(), set(), set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
-        if all(v in constant for v in ins):  # iota, broadcast literals: nothing from the inputs
-            constant.update(eqn.outvars)
-        elif _is_dot(eqn):
-            if any(o is not None and o.weight.routes
-                   for o in (weight_origins.of(origins, v) for v in eqn.invars)):
-                routed.update(eqn.outvars)
-        elif all(v in routed or v in constant for v in ins) and any(v in routed for v in ins):
-            routed.update(eqn.outvars)
-            out.add(i)
+    position, out = producers(jaxpr), set()
+
+    def note(eqn, facts):  # facts: ROUTED, CONSTANT or None (the function's inputs and the rest)
+        known = [f if isinstance(v, jcore.Var) else _CONSTANT for v, f in zip(eqn.invars, facts)]
+        if all(f == _CONSTANT for f in known):  # iota, broadcast literals: nothing from the inputs
+            return [_CONSTANT] * len(eqn.outvars)
+        if _is_dot(eqn):
+            routes = any(o is not None and o.weight.routes
+                         for o in (weight_origins.of(origins, v) for v in eqn.invars))
+            return [_ROUTED] * len(eqn.outvars) if routes else []
+        if all(f is not None for f in known) and _ROUTED in known and eqn.outvars:
+            out.add(position[eqn.outvars[0]])
+            return [_ROUTED] * len(eqn.outvars)
+        return []
+
+    follow(jaxpr, [None] * len(jaxpr.invars), note)
     return out
+
+
+_ROUTED, _CONSTANT = "routed", "constant"
 
 
 def _routing_pinned(x, plan):
