@@ -18,6 +18,7 @@ from .export import save_params
 from .layout.abstract import placed
 from .layout.check import check_or_raise, first_rows
 from .layout.choice import batches_like, choose_run_layout, moved_to
+from .layout.megatron_bytes import bytes_shortfall, step_bytes
 from .layout.fsdp_cost import state_fills_a_device
 from .layout.layout import BY_COST, Candidate, Recipe, build_layout, lower_train_step
 from .loop.actions import fit_actions
@@ -113,6 +114,7 @@ class Trainer:
                                    self._state, final=False)
         self._meter = StepMeter(self.layout, self.compute_dtype, self.accumulate_grad_batches,
                                 self.deployer)
+        self._step_bytes, self._bytes_measured = None, False  # after the layout's first step
 
     # ----------------------------------------------------------------------------- the run's state
 
@@ -242,6 +244,7 @@ class Trainer:
                                      fresh_opt_state=self._opt_state_fresh)
         self._progress = self._progress.replace(train_key=keys[0], eval_key=keys[1])
         self.layout = layout
+        self._step_bytes, self._bytes_measured = None, False  # after the layout's first step
         self._meter = StepMeter(layout, self.compute_dtype, self.accumulate_grad_batches,
                                 self.deployer)
 
@@ -333,6 +336,8 @@ class Trainer:
                     first = batch if self._progress.step == 0 else None
                 self._state, metrics = self.layout.train_step(self._state, batch,
                                                               self._progress.train_key)
+                if not self._bytes_measured:  # its first step: compiled, measured for free
+                    self._say_step_bytes(batch)
                 heartbeat()  # redcoast launch's watchdog: this process makes progress
                 in_flight.add(metrics)
                 self._progress = self._progress.after_update(per_update)
@@ -354,6 +359,19 @@ class Trainer:
                 f"accumulate_grad_batches={self.accumulate_grad_batches}). Fix: use a smaller "
                 "batch size.")
         return self._progress.position
+
+    def _say_step_bytes(self, batch):
+        """Once per layout, after its first step (its compiled program then at hand): the
+        bytes it moves between model shards against Megatron's split of its plan, said in a
+        warning when over megatron_share.RATIO times (megatron_bytes.py)."""
+        layout, self._bytes_measured = self.layout, True
+        if layout.n_model_shards == 1 or layout.plan.megatron_wire_elements() is None:
+            return
+        compiled = layout.train_step.lower(self._state, batch, self._progress.train_key).compile()
+        self._step_bytes = step_bytes(compiled, layout.plan, layout.mesh,
+                                      self.accumulate_grad_batches)
+        if short := bytes_shortfall(self._step_bytes, layout.plan, layout.fuse_matmuls):
+            self.deployer.log_warning(short + ".")
 
     def _check_finite(self):
         """Raise if a loss was NaN or inf (one host sync): such a state is never saved."""

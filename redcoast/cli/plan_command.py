@@ -77,6 +77,8 @@ class PlanRecord:
     attention: str = ""               # the planned step's attention where not the model's own
     megatron_share: float = 1.0       # parameters per device over Megatron's split's
     short_of_megatron: str = ""       # the weights kept whole and why, when over 1.25x
+    megatron_bytes: float | None = None  # the step's bytes between model shards over Megatron's
+    bytes_short_of_megatron: str = ""    # what the step moves more, when over 1.25x
 
     def table(self):
         """The record as the CLI prints it."""
@@ -92,7 +94,11 @@ class PlanRecord:
                         + (f", attention {self.attention}" if self.attention else "")),
                 ("layout", self.layout),
                 ("vs Megatron", f"{self.megatron_share:.2f}x its parameters per device"
-                                + (" (see the warning)" if self.short_of_megatron else "")),
+                                + (" (see the warning)" if self.short_of_megatron else "")
+                                + ("" if self.megatron_bytes is None else
+                                   f", {self.megatron_bytes:.2f}x its bytes between model shards"
+                                   + (" (see the warning)" if self.bytes_short_of_megatron
+                                      else ""))),
                 ("parameters", gib(self.params_bytes)),
                 ("optimizer state", gib(self.optimizer_bytes)),
                 ("gradients", gib(self.gradient_bytes)),
@@ -169,6 +175,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     import optax
 
     from ..deployer import Deployer
+    from ..layout.megatron_bytes import bytes_shortfall, step_bytes
     from ..layout.memory_check import compiler_refusal
     from ..models.pretrained import model_from_config
     from ..trainer import Trainer
@@ -254,6 +261,13 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     record.flops_per_device = trainer.step_cost(batch).flops_per_device or 0.0
     record.layout = trainer.layout.description  # each choice said once
     _megatron(record, trainer)
+    measured = step_bytes(compiled, trainer.layout.plan, trainer.layout.mesh,
+                          trainer.accumulate_grad_batches)
+    record.megatron_bytes = None if measured.ratio is None else round(measured.ratio, 3)
+    record.bytes_short_of_megatron = bytes_shortfall(measured, trainer.layout.plan,
+                                                     trainer.layout.fuse_matmuls) or ""
+    if record.bytes_short_of_megatron:  # as a Trainer says it after its first step
+        trainer.deployer.log_warning(record.bytes_short_of_megatron + ".")
     record.compiler = compiler
     return record
 

@@ -180,6 +180,7 @@ class Collective:
     times: int        # how often it runs per call (trip counts of enclosing loops)
     computation: str
     line: str
+    elements: int = 0  # array elements in ``bytes`` (its values, whatever their precision)
 
 
 class CollectiveReport:
@@ -329,8 +330,9 @@ def collective_report(compiled, mesh=None):
             else:
                 g = len(groups[0])
             size = _nbytes(arrays)
+            elements = int(sum(int(np.prod(s, dtype=np.int64)) for _, s in arrays))
             if kind == "reduce-scatter":
-                size *= g  # the result is one piece of the reduced input
+                size, elements = size * g, elements * g  # the result is one piece of the input
             if kind == "all-reduce":
                 wire = 2 * (g - 1) / g * size
             elif kind == "collective-permute":
@@ -338,7 +340,7 @@ def collective_report(compiled, mesh=None):
             else:
                 wire = (g - 1) / g * size
             out.append(Collective(kind, op, size, wire, g, _classify(groups, mesh_shape, kind),
-                                  times.get(name, 1), name, line.strip()))
+                                  times.get(name, 1), name, line.strip(), elements))
     return CollectiveReport(out, unknown)
 
 

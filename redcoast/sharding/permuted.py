@@ -33,7 +33,7 @@ from jax.extend import core as jcore
 from ..errors import ConfigError
 from .axes import MODEL_AXIS
 from .context import laid_out_for
-from .dataflow import abstract_tree, dataflow_placements, reshape_groups
+from .dataflow import TracedPlacements, abstract_tree, dataflow_placements, reshape_groups
 from .interpreter import CALLS, REMATS, bind, called, evaluate, follow, opened, output_axes, rerun_inside
 from .paths import leaves_with_paths, path_to_tuple
 
@@ -446,7 +446,8 @@ def permuted_placements(fn, params, *example_args, n_model_shards, **plan_option
                                          n_model_shards=n_model_shards, **plan_options)
         keep = split_permutations(perms, placements)
         if keep == perms:
-            return [_noted(pl, perms.get(pl.path)) for pl in placements], perms
+            return TracedPlacements([_noted(pl, perms.get(pl.path)) for pl in placements],
+                                    placements.all_reduced_elements), perms
         perms = keep
 
 

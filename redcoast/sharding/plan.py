@@ -43,6 +43,7 @@ class ShardingPlan:
         self.axis_sizes = dict(mesh.shape)
         n_model_shards = self.axis_sizes.get(MODEL_AXIS, 1)
         placements = base_placements or auto_placements(params, n_model_shards)
+        traced = placements
         annotated = annotations(params)  # the model's own sharding annotations, if any
         if annotated:
             warn_unresolved(annotated)
@@ -54,6 +55,10 @@ class ShardingPlan:
             warn_unmatched_rules(user_rules, placements)
         # where each parameter is used: the tensor-parallel placement; stored split further
         self.compute_placements = placements
+        # what Megatron's split of the traced placements all-reduces (dataflow's
+        # TracedPlacements); unknown once an annotation or a user's rule changed one
+        kept = [a.spec for a in traced] == [b.spec for b in placements]
+        self._all_reduced = getattr(traced, "all_reduced_elements", None) if kept else None
         self.permutations = split_permutations(permutations or {}, placements)
         placements = ungrouped_storage(placements, n_model_shards)
         self.before_fsdp = placements  # stored placements without FSDP: what fsdp_cost.py weighs
@@ -115,6 +120,19 @@ class ShardingPlan:
         """Parameter bytes per device under this plan and under Megatron's split (a Share)."""
         return megatron_share(self.compute_placements, self.axis_sizes)
 
+    def megatron_wire_elements(self, accumulate_grad_batches=1):
+        """Values (array elements) one device sends between model shards in one training step
+        (``accumulate_grad_batches`` micro-batches) under Megatron's split of this plan: each
+        forward all-reduce (row-parallel outputs, vocabulary-parallel lookups, reductions over
+        a split axis) and its conjugate in the backward pass, ring all-reduces of the traced
+        batch's values over the data shards; None when unknown (no traced plan, or one changed
+        by rules) or with one model shard."""
+        n = self.axis_sizes.get(MODEL_AXIS, 1)
+        if self._all_reduced is None or n == 1:
+            return None
+        per_device = self._all_reduced / self.axis_sizes.get(DATA_AXIS, 1)
+        return 2 * per_device * 2 * (n - 1) / n * accumulate_grad_batches
+
     def same_placement(self, other):
         return [pl.spec for pl in self.placements] == [pl.spec for pl in other.placements]
 
@@ -151,7 +169,12 @@ class ShardingPlan:
     def table(self, frozen_split=False):
         """The plan, one parameter a line, and its notes (``frozen_split``: as
         :meth:`nothing_to_split`)."""
-        notes = [n for n in (self.fsdp_note, self.nothing_to_split(frozen_split),
+        ideal = self.megatron_wire_elements()
+        moved = ideal is not None and (f"between model shards per step under Megatron's split of "
+                                       f"this plan: {ideal:,.0f} values per device (forward and "
+                                       "backward; the compiled step's figure is said after its "
+                                       "first step when it is over 1.25x)")
+        notes = [n for n in (moved, self.fsdp_note, self.nothing_to_split(frozen_split),
                              self.short_of_megatron(frozen_split)) if n]
         return format_plan(self.placements, self.axis_sizes) + "".join(f"\n{n}" for n in notes)
 

@@ -38,8 +38,9 @@ embedding; ``products.py``: matmuls and convolutions, the column/row rules; ``co
 scan, while, cond), and ``placements.py`` (the entry points).
 """
 
-from .placements import FALLBACK, RULES, abstract_tree, dataflow_placements, traced_placements
+from .placements import (FALLBACK, RULES, TracedPlacements, abstract_tree, dataflow_placements,
+                         traced_placements)
 from .values import DataflowError, reshape_groups
 
-__all__ = ["FALLBACK", "RULES", "DataflowError", "abstract_tree", "dataflow_placements",
-           "reshape_groups", "traced_placements"]
+__all__ = ["FALLBACK", "RULES", "DataflowError", "TracedPlacements", "abstract_tree",
+           "dataflow_placements", "reshape_groups", "traced_placements"]

@@ -3,12 +3,13 @@ by its rule (``rules``: {primitive name: rule(flow, eqn, ins)}), the splits deci
 and blamed."""
 
 import dataclasses
+import math
 import os
 
 import numpy as np
 from jax.extend import core as jcore
 
-from ..interpreter import follow, opened
+from ..interpreter import REMATS, follow, opened, sub_programs, total
 from ..split_ends import KEPT, SplitEnds
 from .values import CONST, DataflowError, Par, Rep, Split, all_axes, shape_of
 
@@ -63,6 +64,7 @@ class Analysis:
             self.new_wishes = {}
             self.used = set()
             self.split_ends = SplitEnds()  # how each split ended: used split, or reduced away
+            self.reductions = set()  # equations whose output Megatron's split all-reduces
             self.follow_conflicts = {}
             self.tentative = set()
             self.tainted_now = self.taint_out = self.clean_out = False
@@ -332,7 +334,33 @@ class Analysis:
             self.blamed.setdefault(leaf, reason)
         self.taint_out = True
 
+    def all_reduced(self, eqn):
+        """``eqn``'s output is summed over the model shards under this walk's splits (a
+        row-parallel product, a contraction or reduction over a split axis, a lookup in a
+        vocabulary split over the shards): one all-reduce forward."""
+        self.reductions.add(eqn)
+
     # ---- the result ----------------------------------------------------------------------------
+    def all_reduced_elements(self):
+        """Elements of the values the final walk all-reduces over the model shards in one
+        forward pass (of the traced batch; elements, not bytes: a compiler may reduce bfloat16
+        in float32, XLA:CPU does): each loop's body once per iteration, a rematerialised body
+        1.5 times (its forward runs again in the backward pass, which otherwise all-reduces as
+        much as the forward: Megatron's conjugate pairs), the costliest branch of a cond."""
+        def cost(eqn, total_of):
+            name = eqn.primitive.name
+            if eqn in self.reductions:
+                return math.prod(shape_of(eqn.outvars[0]))
+            if name == "scan":
+                return eqn.params["length"] * total_of(eqn.params["jaxpr"])
+            if name == "cond":
+                return max(total_of(b) for b in eqn.params["branches"])
+            programs = [p for _, _, p in sub_programs(eqn)]
+            if name == "while":
+                programs = [eqn.params["body_jaxpr"]]
+            return (1.5 if name in REMATS else 1) * sum(total_of(p) for p in programs)
+        return total(self.closed, cost)
+
     def routes(self, leaf):
         """Whether ``leaf`` is kept whole because its split output is only ever reduced over
         the split axis (split_ends.py: a router's scores)."""

@@ -28,6 +28,8 @@ def op_gather(flow, eqn, ins):
                 axes[o] = op.axes[a]
             return [Par(op.leaf, tuple(axes))]
         embedding(flow, op, indexed, offset_map, op_shape, slice_sizes)
+        if flow.decided.get(op.leaf, (None, None))[1] == "embedding-vocab":
+            flow.all_reduced(eqn)  # each shard looks up its rows, zeros elsewhere: summed
         return [Rep(all_axes(nd))]
     if isinstance(op, Split):
         a = op.axis
@@ -37,6 +39,7 @@ def op_gather(flow, eqn, ins):
             return [Split(offset_map[a], op.origins)]
         if a in dn.start_index_map or a in dn.collapsed_slice_dims:
             flow.split_ends.note(op.origins, REDUCED)
+            flow.all_reduced(eqn)
             return [Rep(all_axes(nd))]  # a pick along the split axis: XLA masks and all-reduces
         flow.conflict(op.origins, "it is gathered along its split axis")
         return [Rep(all_axes(nd))]

@@ -207,6 +207,7 @@ def _reduce(flow, eqn, s, axes, what):
             # reductions a split of a router's scores would pay for
             whole = all(shape_of(eqn.invars[0])[a] == 1 for a in keep)
             flow.split_ends.note(s.origins, KEPT if whole else REDUCED)
+            flow.all_reduced(eqn)
             return Rep(all_axes(len(keep)))
         return Split(keep.index(s.axis), s.origins)
     if isinstance(s, Par):

@@ -102,7 +102,18 @@ def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_head
         weight = len(shapes[i]) >= 2 and (i in analysis.used or axis is not None)
         out.append(Placement(path, shapes[i], getattr(x, "dtype", np.float32), spec, reason,
                              weight, routes=axis is None and analysis.routes(i)))
-    return out
+    return TracedPlacements(out, analysis.all_reduced_elements())
+
+
+class TracedPlacements(list):
+    """The placements :func:`dataflow_placements` gives (a list, one per leaf), with what
+    Megatron's split of them moves: ``all_reduced_elements``, the elements of the values one
+    forward pass of the traced function all-reduces over the model shards
+    (Analysis.all_reduced_elements)."""
+
+    def __init__(self, placements, all_reduced_elements):
+        super().__init__(placements)
+        self.all_reduced_elements = all_reduced_elements
 
 
 FALLBACK = "shapes and order only"  # how traced_placements names the fallback plan's source

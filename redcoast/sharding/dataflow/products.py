@@ -67,6 +67,7 @@ def op_dot_general(flow, eqn, ins):
         return [Split(out_axis(k, s.axis), origins)]
     if kind == "contract":  # the other side is sliced locally; partial sums all-reduced
         flow.split_ends.note(origins, KEPT)
+        flow.all_reduced(eqn)
         return [Rep(all_axes(out_nd))]  # (the expert combine of a MoE)
     flow.conflict(origins, "an activation split on a non-batch axis meets a replicated one in "
                            "a matmul (e.g. values split on head_dim)")
@@ -124,6 +125,7 @@ def param_matmul(flow, eqn, w, x, wk, shapes, contract, batch, free, out_axis, r
                 flow.conflict(x.origins, "the next matmul's parameter is split another way", taint=False)
             else:
                 flow.decide(leaf, pa, "row")
+            flow.all_reduced(eqn)
             flow.split_ends.note(x.origins, KEPT)
             # the row-parallel output is replicated in any placement, unless its input's
             # split is already in conflict (then the matmul may read it whole and split)
@@ -242,6 +244,7 @@ def conv_row(flow, eqn, x, w, dn, out_nd):
         flow.conflict(x.origins, "the next convolution's kernel is split another way", taint=False)
     else:
         flow.decide(leaf, pa, "row")
+    flow.all_reduced(eqn)
     flow.split_ends.note(x.origins, KEPT)
     flow.clean_out = not x.origins & flow.blamed.keys()  # as param_matmul's row case
     return Rep(all_axes(out_nd), src)
