@@ -15,10 +15,10 @@ from .callbacks import Callback, History
 from .data import BatchMaker, EpochData, prefetch, updates_per_epoch
 from .errors import DATA_CAUSES, ConfigError, NonFiniteLossError
 from .export import save_params
+from .layout import megatron_bytes
 from .layout.abstract import placed
 from .layout.check import check_or_raise, first_rows
 from .layout.choice import batches_like, choose_run_layout, moved_to
-from .layout.megatron_bytes import bytes_shortfall, step_bytes
 from .layout.fsdp_cost import state_fills_a_device
 from .layout.layout import BY_COST, Candidate, Recipe, build_layout, lower_train_step
 from .loop.actions import fit_actions
@@ -368,10 +368,8 @@ class Trainer:
         if layout.n_model_shards == 1 or layout.plan.megatron_wire_elements() is None:
             return
         compiled = layout.train_step.lower(self._state, batch, self._progress.train_key).compile()
-        self._step_bytes = step_bytes(compiled, layout.plan, layout.mesh,
-                                      self.accumulate_grad_batches)
-        if short := bytes_shortfall(self._step_bytes, layout.plan, layout.fuse_matmuls):
-            self.deployer.log_warning(short + ".")
+        self._step_bytes, _ = megatron_bytes.said(compiled, layout, self.accumulate_grad_batches,
+                                                  self.deployer.log_warning)
 
     def _check_finite(self):
         """Raise if a loss was NaN or inf (one host sync): such a state is never saved."""

@@ -119,7 +119,10 @@ def test_an_optimizer_state_given_before_the_first_batch_is_moved_not_made_again
 
 
 def test_an_optimizer_state_holding_the_parameters_keeps_them_when_made_again():
-    # e.g. lookahead's slow copy, schedule-free's z: the old state is freed, never the params
+    # e.g. lookahead's slow copy, schedule-free's z: the state made again on the chosen layout
+    # holds the moved parameters' values, and the parameters survive the old state's freeing
+    # (jax 0.10-0.12 never return a jitted init's input as its output, so the freeing's guard
+    # for that case is not reached here: this checks the values)
     def init(params):
         return {"start": params, "count": jnp.zeros((), jnp.int32)}
 

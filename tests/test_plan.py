@@ -47,6 +47,9 @@ def test_a_plan_holds_at_least_the_state_its_layout_must_hold(tiny_config):
     # the split is Megatron's: every matmul weight over the 4 model shards, nothing kept whole
     assert record.megatron_share <= 1.0 and not record.short_of_megatron
     assert f"{record.megatron_share:.2f}x its parameters per device" in record.table()
+    # and its compiled step moves Megatron's bytes between the model shards (the plan's own ideal)
+    assert 0.8 <= record.megatron_bytes <= 1.1 and not record.bytes_short_of_megatron
+    assert f"{record.megatron_bytes:.2f}x its bytes between model shards" in record.table()
 
 
 def test_a_plan_that_does_not_fit_says_what_would(tiny_config):

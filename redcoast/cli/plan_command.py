@@ -175,7 +175,7 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     import optax
 
     from ..deployer import Deployer
-    from ..layout.megatron_bytes import bytes_shortfall, step_bytes
+    from ..layout import megatron_bytes
     from ..layout.memory_check import compiler_refusal
     from ..models.pretrained import model_from_config
     from ..trainer import Trainer
@@ -261,13 +261,11 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     record.flops_per_device = trainer.step_cost(batch).flops_per_device or 0.0
     record.layout = trainer.layout.description  # each choice said once
     _megatron(record, trainer)
-    measured = step_bytes(compiled, trainer.layout.plan, trainer.layout.mesh,
-                          trainer.accumulate_grad_batches)
+    measured, short = megatron_bytes.said(compiled, trainer.layout,  # as a Trainer after a step
+                                          trainer.accumulate_grad_batches,
+                                          trainer.deployer.log_warning)
     record.megatron_bytes = None if measured.ratio is None else round(measured.ratio, 3)
-    record.bytes_short_of_megatron = bytes_shortfall(measured, trainer.layout.plan,
-                                                     trainer.layout.fuse_matmuls) or ""
-    if record.bytes_short_of_megatron:  # as a Trainer says it after its first step
-        trainer.deployer.log_warning(record.bytes_short_of_megatron + ".")
+    record.bytes_short_of_megatron = short or ""
     record.compiler = compiler
     return record
 

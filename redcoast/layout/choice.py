@@ -103,8 +103,9 @@ def _resharded(tree, shardings):
 
 
 def _drop_made_here(tree, keep) -> None:
-    """Free the buffers of ``tree`` that are not among ``keep``'s (an optimizer state may hold
-    the parameters themselves, e.g. lookahead's slow copy)."""
+    """Free the buffers of ``tree`` that are not among ``keep``'s: an optimizer state may hold
+    the parameters themselves (lookahead's slow copy) should a jitted ``tx.init`` ever return its
+    input as its output (jax 0.10-0.12 copy it)."""
     kept = {id(x) for x in jax.tree_util.tree_leaves(keep)}
     for x in jax.tree_util.tree_leaves(tree):
         if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():

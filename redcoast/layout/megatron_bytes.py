@@ -99,5 +99,16 @@ def bytes_shortfall(measured: StepBytes, plan, fused: bool = True) -> str | None
             f"data-parallel")
 
 
+def said(compiled, layout, accumulate_grad_batches, log_warning) -> tuple:
+    """``(StepBytes, what was said or None)`` for ``compiled``, the training step of ``layout``:
+    measured, and over RATIO said through ``log_warning`` (a Trainer after a layout's first step,
+    ``redcoast plan`` after its compile)."""
+    measured = step_bytes(compiled, layout.plan, layout.mesh, accumulate_grad_batches)
+    short = bytes_shortfall(measured, layout.plan, layout.fuse_matmuls)
+    if short:
+        log_warning(short + ".")
+    return measured, short
+
+
 def _size(n):
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
