@@ -11,6 +11,7 @@ from . import validate
 from .data import global_batch_size
 from .errors import ConfigError
 from .export import save_params
+from .layout.cost_model import link_costs
 from .logs import RunLogger
 from .multihost import distributed
 from .schedules import make_lr_schedule, n_updates_per_epoch
@@ -187,7 +188,8 @@ class Deployer:
         cannot be traced, the plan comes from shapes and order alone."""
         if base_placements is None and traced_fn is not None:
             base_placements, source = traced_placements(traced_fn, params, *example_args,
-                                                        n_model_shards=self.n_model_shards)
+                                                        n_model_shards=self.n_model_shards,
+                                                        link_costs=link_costs(self.mesh))
             if base_placements is None:
                 self.log_warning(f"sharding from {source}")
         return ShardingPlan(params, self.mesh, user_rules=params_sharding_rules,

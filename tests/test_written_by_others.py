@@ -16,7 +16,7 @@ from architectures import B, H, T, _tokens
 from redcoast import Deployer, Trainer
 from redcoast.sharding.paths import path_to_str, path_to_tuple
 from redcoast.layout.comms import megatron_ideal, per_layer
-from written_by_others import PATTERNS, TOP_K
+from written_by_others import PATTERNS, TOP_K, lstm_lm
 
 # Patterns the analysis plans right but the compiled step does not yet move Megatron's bytes for
 # (GShard's top-2 MoE was one, 1.24x, until its routing was pinned whole: fusion._routing)
@@ -197,3 +197,65 @@ def test_a_time_embedding_reshaped_with_size_one_axes_and_broadcast_splits_with_
         return jnp.sum((x @ p["up"] * gate.reshape(t.shape[0], 1, 1, c)) @ p["down"])
     assert _placements(by_heads, params, batch) == {"time": P(), "up": P(None, "mp"),
                                                     "down": P("mp")}
+
+
+# ---- a recurrent cell: split by hidden units where that pays, else whole ------------------------
+CPU_LINKS = dict(flops_per_byte=2e10 / 3e7, flops_per_collective=2e-4 * 2e10, data_shards=2)
+
+
+def _cell_plans(hidden, **links):
+    """{path: (spec, reason)} of lstm_lm's LSTM kernels at ``hidden`` units, weighed by ``links``
+    (recurrent.LinkCosts' fields; none: no rates)."""
+    from redcoast.sharding.dataflow import LinkCosts, dataflow_placements
+    _, params, loss = lstm_lm(1, hidden=hidden)
+    placed = dataflow_placements(loss, params, _tokens(), n_model_shards=N,
+                                 link_costs=LinkCosts(**links) if links else None)
+    return {"/".join(pl.path): (pl.spec, pl.reason) for pl in placed
+            if "LSTMCell" in pl.path[0] and pl.path[-1] == "kernel"}
+
+
+def test_a_recurrent_cell_splits_by_hidden_units_only_where_the_compute_saved_pays_for_its_gathers():
+    from jax.sharding import PartitionSpec as P
+    small, large = _cell_plans(32, **CPU_LINKS), _cell_plans(512, **CPU_LINKS)
+    assert len(small) == len(large) == 8  # the four input and four recurrent gate kernels
+    # 32 units: 1.2 MFLOP a step saved against 18 gathers' latency; 512: 302 against 269
+    assert all(spec == P() and "would save" in why for spec, why in small.values()), small
+    assert all(spec == P(None, "mp") and "split by hidden units: the split saves" in why
+               for spec, why in large.values()), large
+    # the choice is the weighing's: free links split the small cell, dear ones keep the large whole
+    free = _cell_plans(32, flops_per_byte=0.0, flops_per_collective=0.0)
+    dear = _cell_plans(512, **dict(CPU_LINKS, flops_per_collective=1e9))
+    assert {spec for spec, _ in free.values()} == {P(None, "mp")}
+    assert {spec for spec, _ in dear.values()} == {P()}
+    # no rates to weigh by (a plan without a mesh): whole, as before the weighing
+    assert {spec for spec, _ in _cell_plans(512).values()} == {P()}
+
+
+@pytest.mark.slow  # two Trainers at 512 and 128 units, a layout check: ~25 s here
+def test_a_recurrent_cell_split_by_hidden_units_trains_as_one_device_and_a_whole_one_is_not_split_by_batch():
+    from jax.sharding import PartitionSpec as P
+    from redcoast.layout.comms import collective_report
+    from redcoast.layout.megatron_bytes import step_bytes
+    batch = _tokens()
+    _, params, loss = lstm_lm(2, hidden=512)
+    trainer = Trainer(Deployer(n_model_shards=N, jax_seed=0, verbose=False), collate, None,
+                      lambda rng, state, params, batch, is_training: loss(params, batch),
+                      params, optax.sgd(0.1), fsdp=False)
+    compiled = trainer.compile_train_step(batch)
+    specs = {"/".join(pl.path): pl.spec for pl in trainer.plan.placements}
+    assert specs["LSTMCell_0/hf/kernel"] == specs["LSTMCell_1/io/kernel"] == P(None, "mp")
+    moved = step_bytes(compiled, trainer.plan, trainer.mesh)
+    assert moved.ratio <= 1.25, moved  # the plan's figure: state and outputs gathered (1.247x)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(B)]
+    report = trainer.check_layout(rows, B // (jax.device_count() // N))
+    assert report.ok and report.compared == "gradients" and report.worst[1] <= 1e-4, str(report)
+    # kept whole at 128 units, its matmuls are not split by batch over the model shards: the
+    # state would be gathered back at every step (121 gathers, 8.7x the step, before)
+    _, params, loss = lstm_lm(2, hidden=128)
+    whole = Trainer(Deployer(n_model_shards=N, jax_seed=0, verbose=False), collate, None,
+                    lambda rng, state, params, batch, is_training: loss(params, batch),
+                    params, optax.sgd(0.1), fsdp=False)
+    in_loops = [c for c in collective_report(whole.compile_train_step(batch), whole.mesh).collectives
+                if c.times > 1 and c.axis != "dp"]  # (XLA sums a dp gradient in the loop)
+    assert {"/".join(pl.path): pl.spec for pl in whole.plan.placements}["LSTMCell_0/hf/kernel"] == P()
+    assert not in_loops, in_loops

@@ -183,7 +183,7 @@ def einsum_moe(n_layers=2, seed=0):
 
 
 
-def lstm_lm(n_layers=2, seed=0):
+def lstm_lm(n_layers=2, seed=0, hidden=H):
     """Flax linen's own recurrent layers as its examples use them: ``nn.RNN(nn.LSTMCell(H))``
     (a ``lax.scan`` over the sequence; the cell's gates from eight ``Dense`` layers: four on
     the input, four with bias on the hidden state), stacked, between an embedding and a head."""
@@ -192,9 +192,9 @@ def lstm_lm(n_layers=2, seed=0):
     class LM(nn.Module):
         @nn.compact
         def __call__(self, ids):
-            x = nn.Embed(V, H)(ids)
+            x = nn.Embed(V, hidden)(ids)
             for i in range(n_layers):
-                x = x + nn.RNN(nn.LSTMCell(H), name=f"lstm_{i}")(nn.LayerNorm()(x))
+                x = x + nn.RNN(nn.LSTMCell(hidden), name=f"lstm_{i}")(nn.LayerNorm()(x))
             return nn.Dense(V, use_bias=False, name="lm_head")(nn.LayerNorm()(x))
 
     return _linen_lm(LM(), seed)

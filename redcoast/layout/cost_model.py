@@ -14,6 +14,8 @@ Candidates with different numbers of model shards train different global batches
 
 import dataclasses
 
+from ..sharding.axes import DATA_AXIS
+from ..sharding.dataflow import LinkCosts
 from .comms import collective_report
 
 # Rates per platform (per device). CPU: simulated devices share the host's cores and XLA's CPU
@@ -33,6 +35,14 @@ def flops_per_link_byte(mesh):
     """How many FLOPs one byte between devices costs on ``mesh``'s platform (its ``RATES``)."""
     r = RATES.get(mesh.devices.flat[0].platform, RATES["gpu"])
     return r["flop_rate"] / r["link_rate"]
+
+
+def link_costs(mesh):
+    """The LinkCosts of ``mesh`` (a byte and a collective in FLOPs, at its platform's
+    ``RATES``; its data shards) that the data-flow analysis weighs a recurrent cell's split by."""
+    r = RATES.get(mesh.devices.flat[0].platform, RATES["gpu"])
+    return LinkCosts(flops_per_link_byte(mesh), r["latency"] * r["flop_rate"],
+                     mesh.shape.get(DATA_AXIS, 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from ..sharding.permuted import storage_loss_fn, stored_layout, traced_permuted_
 from ..sharding.rewrite_plan import RewritePlan
 from ..train_state import TrainState
 from . import compiler_options
-from .cost_model import choose, estimate, format_table
+from .cost_model import choose, estimate, format_table, link_costs
 from .flops import traced_flops
 from .fsdp_cost import agreed_by_all_processes, choose_fsdp, per_device_flops
 from .steps import (cast_floating, make_batch_eval_step, make_eval_step, make_loss_and_grad,
@@ -172,14 +172,13 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch, platform="cpu", b
     # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated)
     grouped = candidate.fuse_matmuls and recipe.train_step_fn is None
     permutations = {}
+    options = dict(n_model_shards=candidate.n_model_shards, group_kv_heads=grouped,
+                   link_costs=link_costs(mesh))
     if recipe.train_step_fn is None:  # the built-in step runs the loss on fused projections stored permuted
         placements, source, permutations = traced_permuted_placements(
-            traced_loss, state.params, abstract_batch, n_model_shards=candidate.n_model_shards,
-            group_kv_heads=grouped)
+            traced_loss, state.params, abstract_batch, **options)
     else:
-        placements, source = traced_placements(traced_loss, state.params, abstract_batch,
-                                               n_model_shards=candidate.n_model_shards,
-                                               group_kv_heads=grouped)
+        placements, source = traced_placements(traced_loss, state.params, abstract_batch, **options)
     keep, note = frozenset(), ""
     if candidate.fsdp == BY_COST:
         unsplit = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,

@@ -39,8 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import weight_origins
 from .axes import DATA_AXIS, MODEL_AXIS
+from .dataflow.recurrent import matmul_flops
 from .interpreter import (CALLS, REMATS, bind, called, evaluate, follow, opened, output_axes,
-                          sub_programs, total)
+                          scan_operand_groups, sub_programs, total)
 from .paths import leaves_with_paths
 
 
@@ -76,13 +77,6 @@ def _split_weight_output(eqn, ins):
     return False
 
 
-def _matmul_flops(eqn):
-    """Multiply-adds x 2 of a ``dot_general``: its output's size times its contracted size."""
-    lhs, (contracted, _) = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"][0]
-    out = eqn.outvars[0].aval
-    return 2.0 * np.prod(out.shape) * np.prod([lhs[d] for d in contracted])
-
-
 @dataclasses.dataclass
 class _Found:
     """What the walk found: the qualifying matmuls (by id: their FLOPs x trips, their output's
@@ -110,8 +104,14 @@ def _walk(program, origins, facts_in, found, devices, batch_size, trips=1):
             body = eqn.params["jaxpr"] if name == "scan" else called(eqn)
             inner = weight_origins.scan_body(eqn, ins) if name == "scan" else ins
             times = trips * (eqn.params["length"] if name == "scan" else 1)
-            return _walk(body, weight_origins.propagate(body, inner), facts, found, devices,
+            outs = _walk(body, weight_origins.propagate(body, inner), facts, found, devices,
                          batch_size, times)
+            if name == "scan":  # a loop carry keeps the placement it came in with: what a
+                # split matmul adds to it is gathered back at every iteration (an LSTM's gates
+                # into its state: 121 gathers a step, 8.7x the step time, measured)
+                _, n_carry, _ = scan_operand_groups(eqn)
+                found.gathered.update(*(f[1] for f in outs[:n_carry]))
+            return outs
         is_split = any(f[0] for f in facts)
         came_from = frozenset().union(*(f[1] for f in facts))
         if _is_matmul(eqn) and any(o is not None and o.weight.axes for o in ins[:2]):
@@ -119,7 +119,7 @@ def _walk(program, origins, facts_in, found, devices, batch_size, trips=1):
             return [(_split_weight_output(eqn, ins), frozenset())]
         if _activation_side(eqn, ins, devices, batch_size) is not None:
             out = eqn.outvars[0].aval
-            found.matmuls[id(eqn)] = (_matmul_flops(eqn) * trips,
+            found.matmuls[id(eqn)] = (matmul_flops(eqn) * trips,
                                       np.prod(out.shape) * out.dtype.itemsize * trips)
             found.upstream[id(eqn)] = came_from
             if is_split:  # a qualifying matmul of a split input is left as it is

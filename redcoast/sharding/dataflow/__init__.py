@@ -21,8 +21,10 @@ biases added to a split output follow it; a lookup into a parameter is an embedd
 split when it divides, else hidden).
 
 A scan that applies the same weights at every step is a recurrent cell: its replicated carries
-are its state, and a gate whose split would meet or become the state keeps every weight of that
-split whole (split by hidden units, the state would be all-gathered at every step). A replicated
+are its state. Split by hidden units, the state would be all-gathered at every step: where the
+compute saved pays for that at the platform's rates (recurrent.py) the gates split and the state
+with them, gathered; else a gate whose split would meet or become the state keeps every weight of
+that split whole. A replicated
 value broadcast into a split (a [batch, 1, 1, C] scale or shift) is sliced where it is read.
 
 A split that cannot go on without communication — sliced (a fused QKV written as one (hidden,
@@ -35,12 +37,14 @@ The package: ``values.py`` (what a value can be), ``analysis.py`` (the walks, co
 decisions), the rules that follow each operation by what they know (``layout_ops.py``:
 transposes, reshapes, slices, joins, reductions; ``gathers.py``: gathers and scatters, the
 embedding; ``products.py``: matmuls and convolutions, the column/row rules; ``control.py``:
-scan, while, cond), and ``placements.py`` (the entry points).
+scan, while, cond; ``recurrent.py``: what a recurrent cell's split costs), and ``placements.py``
+(the entry points).
 """
 
 from .placements import (FALLBACK, RULES, TracedPlacements, abstract_tree, dataflow_placements,
                          traced_placements)
+from .recurrent import LinkCosts
 from .values import DataflowError, reshape_groups
 
-__all__ = ["FALLBACK", "RULES", "DataflowError", "TracedPlacements", "abstract_tree",
+__all__ = ["FALLBACK", "RULES", "DataflowError", "LinkCosts", "TracedPlacements", "abstract_tree",
            "dataflow_placements", "reshape_groups", "traced_placements"]

@@ -11,6 +11,7 @@ from jax.extend import core as jcore
 
 from ..interpreter import REMATS, follow, opened, sub_programs, total
 from ..split_ends import KEPT, SplitEnds
+from .recurrent import cell_cost
 from .values import CONST, DataflowError, Par, Rep, Split, all_axes, shape_of
 
 MAX_ROUNDS = 100
@@ -22,8 +23,9 @@ class Analysis:
     """One analysis of a traced program: its walks, the splits decided and given up, and the
     conflicts; ``rules`` ({primitive name: rule(flow, eqn, ins)}) follow each operation."""
 
-    def __init__(self, closed, n_params, leaf_shapes, n, width, rules):
+    def __init__(self, closed, n_params, leaf_shapes, n, width, rules, link_costs=None):
         self.rules = rules
+        self.link_costs = link_costs  # recurrent.LinkCosts: what a recurrent cell's split costs
         self.closed = closed
         self.n_params = n_params
         self.shapes = leaf_shapes
@@ -35,6 +37,8 @@ class Analysis:
         self.wish = {}         # leaf -> parameter axis another split asks it to follow
         self.candidates = {}   # leaf -> [parameter axes] tried as column splits
         self.undivisible = {}  # leaf -> reason no candidate divided
+        self.cells = {}        # scan eqn -> its recurrent.CellCost (None: no rates to weigh)
+        self.cell_notes = {}   # leaf -> why its recurrent cell is split by hidden units
 
     # ---- walks over the program until nothing conflicts -----------------------------------
     def run(self):
@@ -65,6 +69,7 @@ class Analysis:
             self.used = set()
             self.split_ends = SplitEnds()  # how each split ended: used split, or reduced away
             self.reductions = set()  # equations whose output Megatron's split all-reduces
+            self.split_cells = {}    # scan eqn -> the CellCost of a cell split by hidden units
             self.follow_conflicts = {}
             self.tentative = set()
             self.tainted_now = self.taint_out = self.clean_out = False
@@ -268,6 +273,8 @@ class Analysis:
         state = next((x.state for x in splits + reps if x.state), None)
         for r in reps:
             if a in r.vary:
+                if r.state and r.state[2] is not None and r.state[2].pays:
+                    continue  # a cell split by hidden units: its state is split alike
                 if state:  # in a recurrent cell: a gate meets the state (a GRU's r * h)
                     self.recurrent_state(origins, *state)
                     return Rep(all_axes(nd))
@@ -321,15 +328,33 @@ class Analysis:
         (a LayerNorm over the channels) is a norm over the model width (see layout_ops.py)."""
         return self.__dict__.setdefault("_channel_widths", set())
 
-    def recurrent_state(self, origins, shape, steps):
+    def cell_cost(self, eqn, n_carry):
+        """The recurrent.CellCost of splitting the cell the scan ``eqn`` runs (the same in
+        every walk: computed once), or None without link costs to weigh it by."""
+        if eqn not in self.cells:
+            self.cells[eqn] = cell_cost(eqn, n_carry, self.n, self.link_costs)
+        return self.cells[eqn]
+
+    def split_cell(self, eqn, cost, weights):
+        """The recurrent cell of the scan ``eqn`` is split by hidden units (``cost`` pays):
+        its state and outputs are gathered, and ``weights`` (its parameters) say why."""
+        self.split_cells[eqn] = cost
+        for leaf in weights:
+            self.cell_notes[leaf] = f"; a recurrent cell's weight, split by hidden units: {cost.said()}"
+
+    def recurrent_state(self, origins, shape, steps, cost=None):
         """A split that would become a loop's carry: the state of a recurrent cell (an LSTM's h
-        and c, from gates of Dense kernels). Every parameter whose split made it is kept whole,
-        not only the first decided (as :meth:`conflict` blames): once one gate is whole, the
-        next would be blamed for meeting it, one round and one untrue reason at a time."""
+        and c, from gates of Dense kernels) kept whole, because its split does not pay
+        (``cost``, a recurrent.CellCost) or cannot be weighed. Every parameter whose split made
+        it is kept whole, not only the first decided (as :meth:`conflict` blames): once one
+        gate is whole, the next would be blamed for meeting it, one round and one untrue reason
+        at a time."""
         over = f"{steps} steps" if steps else "its iterations"
         reason = (f"a recurrent cell's weight, its output updates a loop carry (the recurrent "
                   f"state {list(shape)}, over {over}): split by hidden units, the state would "
                   f"be all-gathered at every step, forward and backward")
+        if cost is not None:
+            reason += f", and {cost.said()}"
         for leaf in origins:
             self.blamed.setdefault(leaf, reason)
         self.taint_out = True
@@ -351,6 +376,8 @@ class Analysis:
             name = eqn.primitive.name
             if eqn in self.reductions:
                 return math.prod(shape_of(eqn.outvars[0]))
+            if eqn in self.split_cells:  # gathered forward, scattered backward: half an all-reduce
+                return self.split_cells[eqn].gathered_elements / 2
             if name == "scan":
                 return eqn.params["length"] * total_of(eqn.params["jaxpr"])
             if name == "cond":
@@ -385,7 +412,7 @@ class Analysis:
                 "follow": f"axis {axis} (size {size}) split with the output it is added to",
                 "conv-groups": f"grouped convolution: output channels (axis {axis}, size {size}) split by whole groups; input and output channels split alike",
             }[kind]
-            return axis, text
+            return axis, text + self.cell_notes.get(leaf, "")
         if leaf in self.undivisible:
             return None, "replicated: " + self.undivisible[leaf]
         if leaf in self.used:

@@ -5,15 +5,18 @@ from ..interpreter import scan_operand_groups
 from .values import Par, Rep, Split, all_axes, shape_of
 
 
-def _carry(flow, ins, outs, outvars, recurrent_steps=None):
+def _carry(flow, ins, outs, outvars, recurrent_steps=None, cost=None):
     """Loop carries must keep their placement from one iteration to the next.
     ``recurrent_steps``: the loop applies the same weights at every step (a recurrent
-    cell), over that many steps."""
+    cell), over that many steps; ``cost``: its recurrent.CellCost (a split that pays leaves
+    the state split, gathered at every step)."""
     res = []
     for a, b, v in zip(ins, outs, outvars):
         if isinstance(b, Split) and (not isinstance(a, Split) or a.axis != b.axis):
-            if recurrent_steps:
-                flow.recurrent_state(b.origins, shape_of(v), recurrent_steps)
+            if recurrent_steps and cost is not None and cost.pays:
+                pass  # the state split by hidden units, gathered for the next step
+            elif recurrent_steps:
+                flow.recurrent_state(b.origins, shape_of(v), recurrent_steps, cost)
             else:
                 flow.conflict(b.origins, "it would change a loop carry's placement")
             res.append(Rep(all_axes(len(shape_of(v)))))
@@ -43,18 +46,24 @@ def op_scan(flow, eqn, ins):
             xs_in.append(Rep(frozenset(a - 1 for a in s.vary if a > 0)))
     recurrent = any(isinstance(c, Par) for c in consts) and not any(isinstance(x, Par)
                                                                      for x in xs)
+    cost = flow.cell_cost(eqn, ncarry) if recurrent else None
+    split = cost is not None and cost.pays
     if recurrent:
         # the same weights at every step (a recurrent cell, not a scan over stacked layers):
         # past the first step, a replicated carry is the state, data in every element
-        carry = [Rep(all_axes(len(shape_of(v))), state=(shape_of(v), p["length"]))
+        carry = [Rep(all_axes(len(shape_of(v))), state=(shape_of(v), p["length"], cost))
                  if isinstance(c, Rep) else c
                  for c, v in zip(carry, eqn.invars[nc:nc + ncarry])]
     outs = flow.eval_closed(p["jaxpr"], consts + carry + xs_in)
     carry_out = _carry(flow, carry, outs[:ncarry], eqn.outvars[:ncarry],
-                       p["length"] if recurrent else None)
+                       p["length"] if recurrent else None, cost)
+    if split and any(isinstance(s, Split) and s.state for s in outs):
+        flow.split_cell(eqn, cost, {c.leaf for c in consts if isinstance(c, Par)})
     ys = []
     for s in outs[ncarry:]:
-        if isinstance(s, Split):
+        if split and isinstance(s, Split) and s.state:  # the split state's outputs, gathered
+            ys.append(Rep(all_axes(len(shape_of(eqn.outvars[len(ys) + ncarry])))))
+        elif isinstance(s, Split):
             ys.append(Split(s.axis + 1, s.origins))
         elif isinstance(s, Par):
             ys.append(Par(s.leaf, (None,) + s.axes))

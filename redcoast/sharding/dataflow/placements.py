@@ -61,14 +61,17 @@ def abstract_tree(tree):
     return jax.tree_util.tree_map(to_sds, tree)
 
 
-def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_heads=True):
+def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_heads=True,
+                        link_costs=None):
     """One :class:`Placement` per leaf of ``params`` (written order), from ``fn``'s data flow.
 
     ``fn(params, *example_args)`` is any function of the parameters — the forward pass or the
     loss; the args may be arrays or ``jax.ShapeDtypeStruct``s (nothing is computed). With
     ``group_kv_heads``, K/V with fewer heads than shards are split over groups of shards (see
-    :func:`kv_head_groups`), else replicated. Raises :class:`DataflowError` if ``fn`` cannot be
-    traced.
+    :func:`kv_head_groups`), else replicated. ``link_costs`` (a recurrent.LinkCosts, the
+    platform's): a recurrent cell is split by hidden units where that pays by them
+    (recurrent.py), else (and without them) kept whole. Raises :class:`DataflowError` if
+    ``fn`` cannot be traced.
     """
     leaves = leaves_in_written_order(params)
     n = n_model_shards
@@ -84,7 +87,7 @@ def dataflow_placements(fn, params, *example_args, n_model_shards, group_kv_head
     if len(closed.jaxpr.invars) < len(flat):
         raise DataflowError("the traced function has fewer inputs than params has leaves")
     width = model_width([s for s in shapes])
-    analysis = Analysis(closed, len(flat), shapes, n, width, RULES)
+    analysis = Analysis(closed, len(flat), shapes, n, width, RULES, link_costs)
     analysis.run()
     index = {path: i for i, (path, _) in enumerate(flat)}
     kv_groups = kv_head_groups(analysis) if group_kv_heads else {}
@@ -119,11 +122,12 @@ class TracedPlacements(list):
 FALLBACK = "shapes and order only"  # how traced_placements names the fallback plan's source
 
 
-def traced_placements(fn, params, *example_args, n_model_shards, group_kv_heads=True):
-    """``(placements, where they came from)`` by :func:`dataflow_placements`, or ``(None, why
-    not)`` when the analysis cannot follow ``fn`` (the caller then keeps the shape rules)."""
+def traced_placements(fn, params, *example_args, n_model_shards, **plan_options):
+    """``(placements, where they came from)`` by :func:`dataflow_placements` (``plan_options``:
+    its keywords), or ``(None, why not)`` when the analysis cannot follow ``fn`` (the caller
+    then keeps the shape rules)."""
     try:
         return (dataflow_placements(fn, params, *example_args, n_model_shards=n_model_shards,
-                                    group_kv_heads=group_kv_heads), "the traced data flow")
+                                    **plan_options), "the traced data flow")
     except Exception as e:  # noqa: BLE001 - any program the analysis cannot follow
         return None, f"{FALLBACK} (the data-flow analysis failed: {type(e).__name__}: {e})"

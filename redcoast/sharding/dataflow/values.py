@@ -17,7 +17,8 @@ class Rep:
     vary: frozenset = frozenset()
     src: tuple = None
     tainted: bool = False  # computed from the fallback of a conflict: decisions on it are tentative
-    state: tuple = None    # (shape, steps) of the recurrent state (a loop carry) it comes from
+    state: tuple = None    # (shape, steps, recurrent.CellCost or None) of the recurrent state
+                           # (a loop carry) it comes from
 
 
 @dataclasses.dataclass(frozen=True)
