@@ -376,10 +376,11 @@ class Analysis:
             name = eqn.primitive.name
             if eqn in self.reductions:
                 return math.prod(shape_of(eqn.outvars[0]))
-            if eqn in self.split_cells:  # gathered forward, scattered backward: half an all-reduce
-                return self.split_cells[eqn].gathered_elements / 2
             if name == "scan":
-                return eqn.params["length"] * total_of(eqn.params["jaxpr"])
+                inside = eqn.params["length"] * total_of(eqn.params["jaxpr"])
+                if eqn in self.split_cells:  # its state gathered forward, scattered backward:
+                    inside += self.split_cells[eqn].gathered_elements / 2  # half an all-reduce
+                return inside
             if name == "cond":
                 return max(total_of(b) for b in eqn.params["branches"])
             programs = [p for _, _, p in sub_programs(eqn)]
