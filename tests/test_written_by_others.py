@@ -245,7 +245,9 @@ def test_a_recurrent_cell_split_by_hidden_units_trains_as_one_device_and_a_whole
     specs = {"/".join(pl.path): pl.spec for pl in trainer.plan.placements}
     assert specs["LSTMCell_0/hf/kernel"] == specs["LSTMCell_1/io/kernel"] == P(None, "mp")
     moved = step_bytes(compiled, trainer.plan, trainer.mesh)
-    assert moved.ratio <= 1.25, moved  # the plan's figure: state and outputs gathered (1.247x)
+    # the plan's figure counts the state and outputs gathered forward and scattered backward;
+    # XLA also gathers the state again in the backward loop: 1.247x (jax 0.10), 1.306x (0.11, 0.12)
+    assert moved.ratio <= 1.35, moved
     rows = [{k: v[i] for k, v in batch.items()} for i in range(B)]
     report = trainer.check_layout(rows, B // (jax.device_count() // N))
     assert report.ok and report.compared == "gradients" and report.worst[1] <= 1e-4, str(report)
