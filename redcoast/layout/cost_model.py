@@ -33,15 +33,14 @@ TIE = 0.01
 
 def flops_per_link_byte(mesh):
     """How many FLOPs one byte between devices costs on ``mesh``'s platform (its ``RATES``)."""
-    r = RATES.get(mesh.devices.flat[0].platform, RATES["gpu"])
-    return r["flop_rate"] / r["link_rate"]
+    return link_costs(mesh).flops_per_byte
 
 
 def link_costs(mesh):
     """The LinkCosts of ``mesh`` (a byte and a collective in FLOPs, at its platform's
     ``RATES``; its data shards) that the data-flow analysis weighs a recurrent cell's split by."""
     r = RATES.get(mesh.devices.flat[0].platform, RATES["gpu"])
-    return LinkCosts(flops_per_link_byte(mesh), r["latency"] * r["flop_rate"],
+    return LinkCosts(r["flop_rate"] / r["link_rate"], r["latency"] * r["flop_rate"],
                      mesh.shape.get(DATA_AXIS, 1))
 
 

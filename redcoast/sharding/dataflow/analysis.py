@@ -11,7 +11,7 @@ from jax.extend import core as jcore
 
 from ..interpreter import REMATS, follow, opened, sub_programs, total
 from ..split_ends import KEPT, SplitEnds
-from .recurrent import cell_cost
+from .recurrent import cell_cost, split_by_hidden_units
 from .values import CONST, DataflowError, Par, Rep, Split, all_axes, shape_of
 
 MAX_ROUNDS = 100
@@ -273,7 +273,7 @@ class Analysis:
         state = next((x.state for x in splits + reps if x.state), None)
         for r in reps:
             if a in r.vary:
-                if r.state and r.state[2] is not None and r.state[2].pays:
+                if r.state and split_by_hidden_units(r.state[2]):
                     continue  # a cell split by hidden units: its state is split alike
                 if state:  # in a recurrent cell: a gate meets the state (a GRU's r * h)
                     self.recurrent_state(origins, *state)
@@ -378,8 +378,8 @@ class Analysis:
                 return math.prod(shape_of(eqn.outvars[0]))
             if name == "scan":
                 inside = eqn.params["length"] * total_of(eqn.params["jaxpr"])
-                if eqn in self.split_cells:  # its state gathered forward, scattered backward:
-                    inside += self.split_cells[eqn].gathered_elements / 2  # half an all-reduce
+                if eqn in self.split_cells:  # its state and outputs gathered and scattered
+                    inside += self.split_cells[eqn].reduced_elements
                 return inside
             if name == "cond":
                 return max(total_of(b) for b in eqn.params["branches"])

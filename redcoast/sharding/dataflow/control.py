@@ -2,6 +2,7 @@
 step), while and cond. A loop carry keeps its placement from one iteration to the next."""
 
 from ..interpreter import scan_operand_groups
+from .recurrent import split_by_hidden_units
 from .values import Par, Rep, Split, all_axes, shape_of
 
 
@@ -13,12 +14,10 @@ def _carry(flow, ins, outs, outvars, recurrent_steps=None, cost=None):
     res = []
     for a, b, v in zip(ins, outs, outvars):
         if isinstance(b, Split) and (not isinstance(a, Split) or a.axis != b.axis):
-            if recurrent_steps and cost is not None and cost.pays:
-                pass  # the state split by hidden units, gathered for the next step
-            elif recurrent_steps:
-                flow.recurrent_state(b.origins, shape_of(v), recurrent_steps, cost)
-            else:
+            if not recurrent_steps:
                 flow.conflict(b.origins, "it would change a loop carry's placement")
+            elif not split_by_hidden_units(cost):  # else the state split by hidden units, gathered each step
+                flow.recurrent_state(b.origins, shape_of(v), recurrent_steps, cost)
             res.append(Rep(all_axes(len(shape_of(v)))))
         elif isinstance(a, Split) and not isinstance(b, Split):
             flow.conflict(a.origins, "it would change a loop carry's placement")
@@ -47,7 +46,7 @@ def op_scan(flow, eqn, ins):
     recurrent = any(isinstance(c, Par) for c in consts) and not any(isinstance(x, Par)
                                                                      for x in xs)
     cost = flow.cell_cost(eqn, ncarry) if recurrent else None
-    split = cost is not None and cost.pays
+    split = split_by_hidden_units(cost)
     if recurrent:
         # the same weights at every step (a recurrent cell, not a scan over stacked layers):
         # past the first step, a replicated carry is the state, data in every element
@@ -60,9 +59,9 @@ def op_scan(flow, eqn, ins):
     if split and any(isinstance(s, Split) and s.state for s in outs):
         flow.split_cell(eqn, cost, {c.leaf for c in consts if isinstance(c, Par)})
     ys = []
-    for s in outs[ncarry:]:
+    for s, v in zip(outs[ncarry:], eqn.outvars[ncarry:]):
         if split and isinstance(s, Split) and s.state:  # the split state's outputs, gathered
-            ys.append(Rep(all_axes(len(shape_of(eqn.outvars[len(ys) + ncarry])))))
+            ys.append(Rep(all_axes(len(shape_of(v)))))
         elif isinstance(s, Split):
             ys.append(Split(s.axis + 1, s.origins))
         elif isinstance(s, Par):

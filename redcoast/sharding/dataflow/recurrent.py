@@ -14,9 +14,11 @@ device sends, and each collective's latency, which a cell pays at every step.
 Measured on 8 simulated CPU devices, 2 x 4, a 2-layer LSTM LM (tests/written_by_others.py's
 ``lstm_lm``, batch 8, 8 steps), the step with the cells split against whole (each split forced
 by params_sharding_rules; both train equal to one device): 32 units 15.8 against 11.4 ms, 128
-units 19.6 against 30.8, 256: 42.5 against 116, 512: 225 against 501. The weighing keeps cells
-whole up to about 400 units on CPU's rates and splits from 512: on the safe side of the measured
-crossover (between 32 and 128), as the rates do not see how slowly a step's small matmuls run.
+units 19.6 against 30.8, 256: 42.5 against 116, 512: 225 against 501, 768: 364 against 1087.
+On CPU's rates the weighing keeps the cells whole at 512 units (302 MFLOP saved against 366)
+and splits them at 768 (679 against 497): on the safe side of the measured crossover (between
+32 and 128), as the rates do not see how slowly a step's small matmuls run. The compiled split
+step moves 0.99x (jax 0.10) and 1.04x (jax 0.12) the bytes these collectives count.
 """
 
 import dataclasses
@@ -27,9 +29,11 @@ import jax.numpy as jnp
 from ..interpreter import sub_programs, total
 from .values import shape_of
 
-# a collective per step forward (the state's all-gather) and one backward (its gradient's
-# reduce-scatter); the outputs' gather after the loop adds one pair
-COLLECTIVES_PER_STEP = 2
+# the state's collectives a step: its all-gather forward, and backward its all-gather again (a
+# scan's backward pass keeps the carry as split as the forward took it: the gather is the
+# partitioner's, not a value autodiff can keep) and its gradient's reduce-scatter; the outputs
+# are gathered once after the loop and their gradient scattered once
+STATE_COLLECTIVES, OUTPUT_COLLECTIVES = 3, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +52,8 @@ class CellCost:
     and what its collectives cost in FLOPs (``added``)."""
     saved: float
     added: float
-    gathered_elements: int  # the state per step x steps, and the outputs: gathered forward
+    reduced_elements: float  # its collectives as all-reduced elements of one forward pass (the
+    # plan's Megatron figure, which doubles them for the backward pass: a gather a quarter each)
 
     @property
     def pays(self):
@@ -84,14 +89,19 @@ def cell_cost(eqn, n_carry, n_model_shards, link_costs):
     mp, dp = n_model_shards, link_costs.data_shards
     saved = 3 * steps * total(eqn.params["jaxpr"], _matmul_flops_within) * (1 - 1 / mp) / dp
     carries = [v for v in eqn.outvars[:n_carry] if _floating(v)]
-    state = sum(math.prod(shape_of(v)) for v in carries)
-    outputs = sum(math.prod(shape_of(v)) for v in eqn.outvars[n_carry:] if _floating(v))
-    gathered = steps * state + outputs
-    sent = 2 * sum(_bytes_of(v) for v in carries) * steps
-    sent += 2 * sum(_bytes_of(v) for v in eqn.outvars[n_carry:] if _floating(v))
+    outputs = [v for v in eqn.outvars[n_carry:] if _floating(v)]
+    elements = (STATE_COLLECTIVES * steps * sum(math.prod(shape_of(v)) for v in carries)
+                + OUTPUT_COLLECTIVES * sum(math.prod(shape_of(v)) for v in outputs))
+    sent = (STATE_COLLECTIVES * steps * sum(_bytes_of(v) for v in carries)
+            + OUTPUT_COLLECTIVES * sum(_bytes_of(v) for v in outputs))
     added = (sent * (mp - 1) / mp / dp * link_costs.flops_per_byte
-             + COLLECTIVES_PER_STEP * (steps + 1) * link_costs.flops_per_collective)
-    return CellCost(saved, added, gathered)
+             + (STATE_COLLECTIVES * steps + OUTPUT_COLLECTIVES) * link_costs.flops_per_collective)
+    return CellCost(saved, added, elements / 4)
+
+
+def split_by_hidden_units(cost):
+    """Whether a recurrent cell of ``cost`` (a CellCost, or None: not weighed) is split."""
+    return cost is not None and cost.pays
 
 
 def _floating(v):
