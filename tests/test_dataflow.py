@@ -1,5 +1,6 @@
 """Tensor-parallel placement from the data flow, on architectures written in many styles."""
 
+import math
 import types
 
 import jax
@@ -233,6 +234,22 @@ def test_replicated_kv_is_projected_per_query_head(make_arch):
     kv_outputs = lambda fn: [s for s in _dot_output_shapes(fn, arch.params, arch.batch) if s == (B, T, kv, HD)]  # noqa: E731
     assert len(kv_outputs(arch.loss)) == 2 * len(arch.params["layers"])
     assert kv_outputs(fused) == []
+    assert_same_loss_and_gradients(fused, arch)
+
+
+@pytest.mark.parametrize("make_arch, shards", [(gqa, 4), (mqa, 4), (gqa, 8)])
+def test_each_shard_projects_the_kv_heads_its_query_heads_read_once(make_arch, shards):
+    # 8 query heads: on 4 shards a shard's 2 query heads read one K/V head; the repeated weight
+    # holds lcm(kv heads, shards) heads (one a shard), repeated to the query heads after RoPE
+    # inside the shard, not one per query head (which projected each K/V head twice a shard)
+    arch = make_arch()
+    placements = dataflow_placements(arch.loss, arch.params, arch.batch, n_model_shards=shards)
+    fused = fuse_sibling_matmuls(arch.loss, RewritePlan.from_placements(placements, n_model_shards=shards))
+    kv = arch.params["layers"][0]["k"].shape[1]
+    # the fused Q/K/V matmul's output: (B, T, shards, a shard's heads, HD) or, where the three
+    # have one shape, (B, T, 3, heads, HD)
+    qkv = [s for s in _dot_output_shapes(fused, arch.params, arch.batch) if len(s) == 5]
+    assert [s[2] * s[3] for s in qkv] == [NH + 2 * math.lcm(kv, shards)] * len(arch.params["layers"])
     assert_same_loss_and_gradients(fused, arch)
 
 

@@ -11,7 +11,8 @@ summation order) bring that down to Megatron's count:
   smaller result;
 * the replicated operand of a contraction over a split matmul's output axis (the gates of split
   MoE experts) is pinned whole along that axis, so that XLA does not split what computed it;
-* grouped-query K/V that the plan replicates are projected per query head (kv_repeat.py), so
+* grouped-query K/V that the plan replicates (or keeps by groups of shards) are projected from a
+  weight repeated so that every shard computes its own K/V heads, once each (kv_repeat.py), so
   that they join Q's fused matmul;
 * a lookup into a table the plan splits along its hidden axis (its vocabulary does not divide
   the shards) is gathered whole right away, so that the split does not spread into the residual
@@ -412,11 +413,13 @@ def _eval_fused(jaxpr, consts, args, plan, arg_origins):
 def _hoist_kv_repeats(jaxpr, plan, origins):
     """``(jaxpr, origins of the weights it made)``: ``jaxpr`` (flat, bound) with grouped-query
     K/V repeats moved in front of their replicated projections (kv_repeat.py), retraced, and
-    {variable of each repeated weight: its origin}. A repeated weight has the query heads' shape
-    and is split like them (each shard computes its heads' slice from the whole K/V weight), so
-    it joins Q's fused matmul. Unchanged (and no origins) when there is nothing to hoist."""
+    {variable of each repeated weight: its origin}. A repeated weight holds each K/V head as
+    often as the shards need (kv_repeat.weight_copies) and is split over them by heads like Q
+    (each shard computes its own K/V heads from the whole K/V weight), so it joins Q's fused
+    matmul. Unchanged (and no origins) when there is nothing to hoist."""
     is_split = lambda v, axes: _split_along(plan, origins, v, axes)  # noqa: E731
-    found = {v: r for v, r in kv_repeat.find_repeats(jaxpr, is_split) if _hoisting_pays(r, plan, origins)}
+    found = {v: r for v, r in kv_repeat.find_repeats(jaxpr, is_split, plan.blocks)
+             if _hoisting_pays(r, plan, origins)}
     if not found:
         return jaxpr, {}
     skip = {id(e) for r in found.values() for e in r["absorbed"]}
@@ -446,7 +449,7 @@ def _hoist_kv_repeats(jaxpr, plan, origins):
     for (_, r), w in zip(repeats, closed.jaxpr.outvars[n_out:]):
         source = weight_origins.of(origins, r["dot"].invars[r["weight_side"]])
         path = source.weight.path if source is not None else ("(a K/V weight)",)
-        split = WeightSplit(path + ("repeated per query head",), tuple(w.aval.shape),
+        split = WeightSplit(path + ("repeated for the model shards",), tuple(w.aval.shape),
                             ((r["weight_axis"], None),))
         made[w] = weight_origins.Origin(split, tuple(range(w.aval.ndim)))
     flat = closed.jaxpr.replace(outvars=closed.jaxpr.outvars[:n_out])
