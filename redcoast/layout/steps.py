@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..errors import LossError
 from ..sharding.axes import MODEL_AXIS
@@ -21,6 +22,7 @@ from ..sharding.grouped_conv import guard_grouped_convs
 from ..sharding.paths import leaves_with_paths
 from ..sharding.remat_weights import gather_in_remat, gathered_in_remat
 from ..sharding.scanned_weights import gather_layer_by_layer, scanned_leaves
+from ..sharding.stationary_weights import left_to_partitioner
 from .cost_model import flops_per_link_byte
 
 
@@ -82,7 +84,9 @@ def gathered(params, compute_dtype, compute_shardings=None):
 
     A parameter stored split over 'dp' (FSDP) is thereby all-gathered once, explicitly, where the
     loss uses it, and its gradient reduce-scattered; left to propagation, XLA may instead carry
-    the split into the activations and reshard those (measured: 1.5x step time on 4x2).
+    the split into the activations and reshard those (measured: 1.5x step time on 4x2), which
+    pays only where those are smaller than the weight (sharding/stationary_weights.py: such
+    leaves come with an unconstrained sharding).
     """
     params = cast_floating(params, compute_dtype)
     if compute_shardings is None:
@@ -91,12 +95,13 @@ def gathered(params, compute_dtype, compute_shardings=None):
 
 
 def _stored_otherwise(compute_shardings, stored_shardings, params):
-    """Whether any parameter is stored otherwise than the step computes with it (FSDP)."""
+    """The indices of the parameter leaves stored otherwise than the step computes with them
+    (FSDP's)."""
     if compute_shardings is None or stored_shardings is None:
-        return False
-    return any(not s.is_equivalent_to(c, np.ndim(p)) for c, s, p in zip(
+        return set()
+    return {i for i, (c, s, p) in enumerate(zip(
         jax.tree_util.tree_leaves(compute_shardings), jax.tree_util.tree_leaves(stored_shardings),
-        jax.tree_util.tree_leaves(params)))
+        jax.tree_util.tree_leaves(params))) if not s.is_equivalent_to(c, np.ndim(p))}
 
 
 def _gathered_in_scans(closed, weights, compute_shardings, stored_shardings):
@@ -114,6 +119,15 @@ def _gathered_in_scans(closed, weights, compute_shardings, stored_shardings):
     starts = [stored[i] if i in moved else s for i, s in enumerate(compute)]
     return (jax.tree_util.tree_unflatten(treedef, starts),
             {i: (tuple(stored[i].spec)[1:], tuple(compute[i].spec)[1:]) for i in moved})
+
+
+def _unconstrained(shardings, leaves, params):
+    """``shardings`` with the leaves at ``leaves`` (indices) left to the partitioner."""
+    flat, treedef = jax.tree_util.tree_flatten(shardings)
+    ndims = [np.ndim(p) for p in jax.tree_util.tree_leaves(params)]
+    flat = [NamedSharding(s.mesh, P(*[P.UNCONSTRAINED] * ndims[i])) if i in leaves else s
+            for i, s in enumerate(flat)]
+    return jax.tree_util.tree_unflatten(treedef, flat)
 
 
 def with_frozen_cast(state, compute_dtype):
@@ -157,14 +171,16 @@ def make_loss_and_grad(loss_fn, compute_dtype, rewrite_plan=None, compute_shardi
 
     def objective_of(state, params, batch, rng):
         shardings, layer_specs, remat_specs = compute_shardings, {}, {}
-        if (mesh is not None and guard_plan is not None and guard_plan.knows_placements
-                and _stored_otherwise(compute_shardings, stored_shardings, params)):
+        split = _stored_otherwise(compute_shardings, stored_shardings, params)
+        if mesh is not None and guard_plan is not None and guard_plan.knows_placements and split:
             weights = guard_plan.leaf_splits(leaves_with_paths(params))
             closed = jax.make_jaxpr(lambda p: training_loss(p, batch, rng, state, None))(params)
             shardings, layer_specs = _gathered_in_scans(closed, weights, compute_shardings,
                                                         stored_shardings)
             shardings, remat_specs = gathered_in_remat(closed, weights, shardings,
                                                        compute_shardings, stored_shardings)
+            shardings = _unconstrained(shardings, left_to_partitioner(
+                closed, weights, mesh.shape.get(MODEL_AXIS, 1)) & split, params)
         if (mesh is not None and mesh.shape.get(MODEL_AXIS, 1) == 1 and not layer_specs
                 and not remat_specs):
             # one model shard: FSDP's gathers left to XLA, which gathers in the compute dtype
