@@ -25,34 +25,22 @@ program's own remat bodies). Every other parameter, and every other use, is left
 import jax
 
 from . import weight_origins
-from .interpreter import CALLS, REMATS, called, follow
+from .interpreter import REMATS
 from .scanned_weights import run_gathering
-# reading a parameter through these is not a use: they make a view of it (weight_origins)
-_VIEWS = ("convert_element_type", "copy", "copy_p", "sharding_constraint", "reduce_precision")
 
 
 def rematerialised_leaves(closed, weights):
     """The indices of the parameter leaves (the first ``len(weights)`` inputs of ``closed``, a
     ClosedJaxpr; ``weights``: their rewrite_plan.WeightSplits) that ``closed`` reads only as
     a whole input of rematerialised bodies (or views of one: a cast, a sharding constraint)."""
-    index = {w.path: i for i, w in enumerate(weights)}
     in_remat, elsewhere = set(), set()
 
-    def reads(eqn, ins):
-        name = eqn.primitive.name
-        read = {index[o.weight.path]: o for o in ins if o is not None}
-        if name in REMATS:
-            for i, o in read.items():
-                whole = o.axes == tuple(range(len(o.weight.shape)))
-                (in_remat if whole else elsewhere).add(i)
-        elif name in CALLS:
-            follow(called(eqn), ins, reads)
-        elif name not in _VIEWS:
-            elsewhere.update(read)
-        return weight_origins.through(eqn, ins)
+    def use(eqn, read):
+        for i, (_, o) in read.items():
+            whole = eqn.primitive.name in REMATS and o.axes == tuple(range(len(o.weight.shape)))
+            (in_remat if whole else elsewhere).add(i)
 
-    rest = [None] * (len(closed.jaxpr.invars) - len(weights))
-    follow(closed.jaxpr, weight_origins.of_weights(weights) + rest, reads)
+    weight_origins.visit_reads(closed, weights, use)
     return in_remat - elsewhere
 
 

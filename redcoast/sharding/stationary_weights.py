@@ -26,10 +26,6 @@ gathered as before.
 import numpy as np
 
 from . import weight_origins
-from .interpreter import CALLS, called, follow
-
-# reading a parameter through these is not a use: they make a view of it (weight_origins)
-_VIEWS = ("convert_element_type", "copy", "copy_p", "sharding_constraint", "reduce_precision")
 
 
 def _shard_elements(origin, shape, model_shards):
@@ -61,24 +57,17 @@ def left_to_partitioner(closed, weights, model_shards):
     """The indices of the parameter leaves (the first ``len(weights)`` inputs of ``closed``, the
     loss's ClosedJaxpr; ``weights``: their rewrite_plan.WeightSplits) read only by matmuls whose
     activations, gathered over 'dp', are smaller than the weight's model-shard share."""
-    index = {w.path: i for i, w in enumerate(weights)}
     weight_elements, activation, elsewhere = {}, {}, set()
 
-    def reads(eqn, ins):
-        name = eqn.primitive.name
-        read = {index[o.weight.path]: (k, o) for k, o in enumerate(ins) if o is not None}
-        if name == "dot_general" and len(read) == 1:
-            (i, (side, origin)), = read.items()
-            shape = eqn.invars[side].aval.shape
-            weight_elements[i] = max(weight_elements.get(i, 0),
-                                     _shard_elements(origin, shape, model_shards))
-            activation[i] = activation.get(i, 0) + _gathered_activation(eqn, side, origin, model_shards)
-        elif name in CALLS:
-            follow(called(eqn), ins, reads)
-        elif name not in _VIEWS:
+    def use(eqn, read):
+        if eqn.primitive.name != "dot_general" or len(read) != 1:
             elsewhere.update(read)
-        return weight_origins.through(eqn, ins)
+            return
+        (i, (side, origin)), = read.items()
+        shape = eqn.invars[side].aval.shape
+        weight_elements[i] = max(weight_elements.get(i, 0),
+                                 _shard_elements(origin, shape, model_shards))
+        activation[i] = activation.get(i, 0) + _gathered_activation(eqn, side, origin, model_shards)
 
-    rest = [None] * (len(closed.jaxpr.invars) - len(weights))
-    follow(closed.jaxpr, weight_origins.of_weights(weights) + rest, reads)
+    weight_origins.visit_reads(closed, weights, use)
     return {i for i, n in weight_elements.items() if i not in elsewhere and n > activation[i]}

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 from jax.extend import core as jcore
 
-from .interpreter import (CALLS, PER_DEVICE, REMATS, bind, evaluate, follow, rerun_inside,
+from .interpreter import (CALLS, PER_DEVICE, REMATS, bind, called, evaluate, follow, rerun_inside,
                           retraced, scan_operand_groups, sub_programs)
 
 # the same values, or a view of them: the output's axes are the input's
@@ -60,6 +60,30 @@ def propagate(jaxpr, invar_origins):
     """{variable: Origin} for the variables of the flat ``jaxpr`` that carry a parameter, given
     the origins (or None) of its invars."""
     return follow(jaxpr, invar_origins, through)
+
+
+# reading a parameter through these is not a use: they make a view of it
+VIEWS = ("convert_element_type", "copy", "copy_p", "sharding_constraint", "reduce_precision")
+
+
+def visit_reads(closed, weights, use):
+    """Call ``use(eqn, read)`` for each equation of ``closed`` (a ClosedJaxpr whose first
+    ``len(weights)`` inputs are the parameter leaves; ``weights``: their WeightSplits) that reads
+    a leaf, through calls and views (not a use), with ``read``: {leaf index: (operand position,
+    origin)}. Equations holding other programs (loops, remats) are uses themselves."""
+    index = {w.path: i for i, w in enumerate(weights)}
+
+    def reads(eqn, ins):
+        if eqn.primitive.name in CALLS:
+            follow(called(eqn), ins, reads)
+        elif eqn.primitive.name not in VIEWS:
+            read = {index[o.weight.path]: (k, o) for k, o in enumerate(ins) if o is not None}
+            if read:
+                use(eqn, read)
+        return through(eqn, ins)
+
+    rest = [None] * (len(closed.jaxpr.invars) - len(weights))
+    follow(closed.jaxpr, of_weights(weights) + rest, reads)
 
 
 def scan_body(eqn, ins):
