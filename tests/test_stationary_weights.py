@@ -11,9 +11,9 @@ from redcoast.sharding.paths import leaves_with_paths, path_to_str
 from redcoast.sharding.rewrite_plan import RewritePlan
 from redcoast.sharding.stationary_weights import left_to_partitioner
 
-# 8 rows of 32 tokens: 256 rows a step. On 2 model shards Q/K/V/O (128 or fewer columns a
-# shard) and the MLP's down projection (256) read more than they weigh; gate and up (1024
-# columns a shard) and the untied head (2048) weigh more than the rows they read
+# 8 rows of 32 tokens: 256 rows a step. On 2 model shards Q/K/V (128 or fewer columns a shard),
+# O and the MLP's down projection (256 columns, their inputs split) weigh at most the rows they
+# read; gate and up (1024 columns a shard) and the untied head (2048) weigh more
 LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=2048,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, tie_word_embeddings=False)

@@ -28,29 +28,31 @@ import numpy as np
 from . import weight_origins
 
 
+def _pieces(origin, var_axes, model_shards):
+    """Into how many pieces the plan splits ``var_axes`` of a view of a weight (``origin``) over
+    the model shards: all of them, a group's count (grouped_axes.py), or 1."""
+    for d in var_axes:
+        groups = None if origin.axes[d] is None else origin.weight.groups(origin.axes[d])
+        if groups is not None:
+            return groups[0] or model_shards
+    return 1
+
+
 def _shard_elements(origin, shape, model_shards):
     """Elements of a weight operand of ``shape`` on one model shard."""
-    size = int(np.prod(shape, dtype=np.int64))
-    for axis in range(len(shape)):
-        a = origin.axes[axis]
-        groups = None if a is None else origin.weight.groups(a)
-        if groups is not None:
-            return size // (groups[0] or model_shards)
-    return size
+    return int(np.prod(shape, dtype=np.int64)) // _pieces(origin, range(len(shape)), model_shards)
 
 
 def _gathered_activation(eqn, side, origin, model_shards):
     """Elements of the other operand of matmul ``eqn`` (the weight on ``side``) gathered over
-    'dp': its rows (the traced batch is global) times its contracted features a model shard."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    'dp': its rows (the traced batch is global) times its contracted features a model shard (a
+    row-parallel weight reads its shard's)."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
     w_contract, x_contract = (lc, rc) if side == 0 else (rc, lc)
     x = eqn.invars[1 - side].aval
     contracted = int(np.prod([x.shape[d] for d in x_contract], dtype=np.int64))
     rows = int(np.prod(x.shape, dtype=np.int64)) // max(1, contracted)
-    if any(origin.axes[d] is not None and origin.weight.groups(origin.axes[d]) is not None
-           for d in w_contract):
-        contracted //= model_shards  # a row-parallel weight reads its shard's features
-    return rows * contracted
+    return rows * contracted // _pieces(origin, w_contract, model_shards)
 
 
 def left_to_partitioner(closed, weights, model_shards):
