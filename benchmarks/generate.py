@@ -150,16 +150,20 @@ def decode_rows(args):
                                                           max_new_tokens=n, eos_token_id=()))
         programs[f"hand {n}"] = (lambda n=n: hand_decode.greedy(config, params, one_ids, one_mask,
                                                                 n))
+        programs[f"weights alone {n}"] = (lambda n=n: hand_decode.weights_alone(config, params,
+                                                                                 n))
     seconds, outputs = timed(programs, args.repeats)
     print(f"\ndecode at batch 1, one device ({per_token_bytes / 1e6:.0f} MB read per token; "
           f"new tokens {short} and {long}, the difference timed)")
-    print(f"{'program':<10} {'ms/token':>9} {'tokens/s':>9} {'GB/s':>6} {'of the read':>12} "
-          f"{'of one core':>12}")
-    for who in ("redcoast", "hand"):
-        per_token = (seconds[f"{who} {long}"] - seconds[f"{who} {short}"]) / (long - short)
-        rate = per_token_bytes / per_token
-        print(f"{who:<10} {per_token * 1e3:9.2f} {1 / per_token:9.1f} {rate / 1e9:6.1f} "
-              f"{rate / bandwidth:12.0%} {rate / one_core:12.0%}")
+    per_token = {who: (seconds[f"{who} {long}"] - seconds[f"{who} {short}"]) / (long - short)
+                 for who in ("redcoast", "hand", "weights alone")}
+    floor = per_token["weights alone"]
+    print(f"{'program':<14} {'ms/token':>9} {'tokens/s':>9} {'GB/s':>6} {'of the read':>12} "
+          f"{'of one core':>12} {'of weights alone':>17}")
+    for who, seconds_each in per_token.items():
+        rate = per_token_bytes / seconds_each
+        print(f"{who:<14} {seconds_each * 1e3:9.2f} {1 / seconds_each:9.1f} {rate / 1e9:6.1f} "
+              f"{rate / bandwidth:12.0%} {rate / one_core:12.0%} {floor / seconds_each:17.0%}")
     same = all((outputs[f"redcoast {n}"] == outputs[f"hand {n}"]).all() for n in (short, long))
     print(f"same tokens: {'yes' if same else 'NO'}", flush=True)
     return bool(same)

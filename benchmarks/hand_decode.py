@@ -138,3 +138,29 @@ def beam(config, params, ids, mask, n_new, n_beams):
         return choose(i, logits, scores, seqs, caches)
 
     return lax.fori_loop(1, n_new, step, (scores, seqs, caches))[1][:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def weights_alone(config, params, n_tokens):
+    """The floor under any decode loop on this backend: ``n_tokens`` steps of nothing but the
+    matrix-vector products a token needs (every projection of every layer, then the head), each
+    reading its weight once, in the same sequence (each product waits for the one before, as
+    in the model). No attention, norms or cache: what is left is streaming the weights through
+    the backend's matrix-vector product."""
+    head = (params["embed_tokens"]["embedding"].T if config.tie_word_embeddings
+            else params["lm_head"]["kernel"])
+    repeat = config.num_attention_heads // config.num_key_value_heads
+
+    def step(_, x):
+        for i in range(config.num_hidden_layers):
+            a, m = params["layers"][str(i)]["self_attn"], params["layers"][str(i)]["mlp"]
+            k, v = x @ a["k_proj"]["kernel"], x @ a["v_proj"]["kernel"]
+            x = x + (x @ a["q_proj"]["kernel"] + jnp.tile(k + v, repeat)) @ a["o_proj"]["kernel"]
+            x = x + (jax.nn.silu(x @ m["gate_proj"]["kernel"]) * (x @ m["up_proj"]["kernel"])) @ \
+                m["down_proj"]["kernel"]
+            x = x * 1e-3  # keeps the values finite over many layers; one multiply
+        token = jnp.argmax(x @ head, axis=-1)
+        return params["embed_tokens"]["embedding"][token]
+
+    x = jnp.ones((1, config.hidden_size), params["embed_tokens"]["embedding"].dtype)
+    return lax.fori_loop(0, n_tokens, step, x)

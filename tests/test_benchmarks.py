@@ -46,5 +46,7 @@ def test_generate_tiny_times_every_row_and_gives_the_hand_loops_tokens():
     assert "memory bandwidth" in text and "same tokens: yes" in text, text
     rows = [line.split() for line in text.splitlines() if line.startswith(("greedy", "beam2"))]
     assert len(rows) == 6 and all(r[-1] == "yes" for r in rows), text
-    decode = [line.split() for line in text.splitlines() if line.startswith(("redcoast ", "hand "))]
-    assert [r[0] for r in decode] == ["redcoast", "hand"] and all(r[-1].endswith("%") for r in decode)
+    decode = [line.split() for line in text.splitlines()
+              if line.startswith(("redcoast ", "hand ", "weights alone "))]
+    assert [r[0] for r in decode] == ["redcoast", "hand", "weights"], text
+    assert all(r[-1].endswith("%") for r in decode) and decode[-1][-1] == "100%", text
