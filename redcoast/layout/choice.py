@@ -98,8 +98,30 @@ def _resharded(tree, shardings):
     for the arrays (``jax.device_put`` of a donated array waits until it is computed, so a
     model's random initialisation still running blocked the trace and compiles that follow:
     14 s of a 1B-wide Llama's first update at 4 x 2). One program, its collectives in one
-    order on every process."""
-    return jax.jit(lambda t: t, out_shardings=shardings, donate_argnums=0)(tree)
+    order on every process.
+
+    Only the arrays whose pieces keep their shape are donated: XLA can reuse no other input's
+    buffer for an output (JAX warns that such donations were not usable, on every run that
+    moved the state). The rest are deleted once the program is dispatched, which frees them as
+    it ends, as donating them did."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    reusable = [isinstance(x, jax.Array)
+                and x.sharding.shard_shape(x.shape) == s.shard_shape(x.shape)
+                for x, s in zip(leaves, targets)]
+
+    def part(items, donated: bool) -> list:
+        return [item for item, r in zip(items, reusable) if r == donated]
+
+    outputs = jax.jit(lambda donated, copied: (donated, copied), donate_argnums=0,
+                      out_shardings=(part(targets, True), part(targets, False)))(
+        part(leaves, True), part(leaves, False))
+    for x in part(leaves, False):
+        if isinstance(x, jax.Array):
+            x.delete()
+    donated, copied = map(iter, outputs)
+    return jax.tree_util.tree_unflatten(
+        treedef, [next(donated) if r else next(copied) for r in reusable])
 
 
 def _drop_made_here(tree, keep) -> None:
