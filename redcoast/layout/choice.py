@@ -105,7 +105,7 @@ def _resharded(tree, shardings):
     moved the state). The rest are deleted once the program is dispatched, which frees them as
     it ends, as donating them did."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
+    targets = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda _, s: s, tree, shardings))
     reusable = [isinstance(x, jax.Array)
                 and x.sharding.shard_shape(x.shape) == s.shard_shape(x.shape)
                 for x, s in zip(leaves, targets)]
