@@ -19,7 +19,9 @@ left-padded prompts of 8-32 tokens. Every figure is measured in this run:
    the prompt's prefill and the call's fixed costs drop out), and the bytes each token must read
    (every parameter once, the tied head included, and the KV cache) per second, as a share of
    the bandwidth. redcoast's ``generate`` and the hand-written loop of
-   ``benchmarks/hand_decode.py``.
+   ``benchmarks/hand_decode.py``, beside the floor under both: the same weights streamed by
+   nothing but a token's chain of matrix-vector products (``hand_decode.weights_alone``; on
+   XLA:CPU each product runs on one core, so no decode loop here goes faster).
 3. **Batch ``--batch``, greedy and beam search**: seconds per call, redcoast and the hand loop
    (greedy; beam search with ``--beams``), on one device, then in a Predictor's ``pred_fn`` on
    the whole mesh (batch over 'dp', parameters over 'mp' as the plan splits them, model shards 1
@@ -160,8 +162,8 @@ def decode_rows(args):
     floor = per_token["weights alone"]
     print(f"{'program':<14} {'ms/token':>9} {'tokens/s':>9} {'GB/s':>6} {'of the read':>12} "
           f"{'of one core':>12} {'of weights alone':>17}")
-    for who, seconds_each in per_token.items():
-        rate = per_token_bytes / seconds_each
+    for who, seconds_each in per_token.items():  # the floor reads the weights, not the cache
+        rate = (param_bytes if who == "weights alone" else per_token_bytes) / seconds_each
         print(f"{who:<14} {seconds_each * 1e3:9.2f} {1 / seconds_each:9.1f} {rate / 1e9:6.1f} "
               f"{rate / bandwidth:12.0%} {rate / one_core:12.0%} {floor / seconds_each:17.0%}")
     same = all((outputs[f"redcoast {n}"] == outputs[f"hand {n}"]).all() for n in (short, long))
