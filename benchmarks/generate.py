@@ -2,6 +2,7 @@
 device and sharded.
 
     python benchmarks/generate.py            # 8 simulated CPU devices (or the real ones: --real)
+    python benchmarks/generate.py --real --model-shards 1   # one GPU
     python benchmarks/generate.py --tiny     # a 2-layer toy, every row once (CI's slow step)
 
 A random-weight Llama (SmolLM2-135M's shape by default: hidden 576, 30 layers, 9 heads, 3 KV
@@ -49,6 +50,8 @@ def parse():
     p.add_argument("--new", type=int, default=32, help="new tokens per row")
     p.add_argument("--beams", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model-shards", default="1,2",
+                   help="the Predictor rows' model shards, comma-separated (one GPU: 1)")
     p.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -212,7 +215,7 @@ def batch_rows(args):
 
     examples = [{"ids": ids[i], "mask": mask[i]} for i in range(args.batch)]
     collate = lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
-    for n in (1, 2):
+    for n in (int(x) for x in args.model_shards.split(",")):
         deployer = Deployer(n_model_shards=n, verbose=False)
         per_device = max(1, args.batch // deployer.n_data_shards)
         plan = deployer.get_sharding_plan(model.abstract_params(), traced_fn=model.apply,

@@ -177,18 +177,34 @@ def main():
         jax.block_until_ready((hand_state, loss))
         return (time.perf_counter() - t0) / steps
 
+    # 4. the Trainer's own compiled step called in a plain loop on batches already placed:
+    # its program alone, so that a gap to the hand step splits into program and loop
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def run_step_alone():
+        t0 = time.perf_counter()
+        for ids in step_batches:
+            trainer._state, metrics = trainer.layout.train_step(
+                trainer._state, {"ids": ids}, trainer._progress.train_key)
+        jax.block_until_ready((trainer._state, metrics))
+        return (time.perf_counter() - t0) / steps
+
     t0 = time.perf_counter()
     trainer.train(examples[:global_batch], batch, shuffle=False)  # compile + one step
     hand_state, _ = hand(hand_state, device_batches[0])
     jax.block_until_ready((trainer.params, hand_state))
     print(f"compile + first step (both programs): {time.perf_counter() - t0:.1f} s")
-    redcoast_s, hand_s = [], []
-    for _ in range(args.rounds):  # alternate: the machine's noise falls on both alike
+    rows = NamedSharding(trainer.mesh, P("dp"))
+    step_batches = [jax.device_put(np.asarray(ids), rows) for ids in device_batches]
+    redcoast_s, hand_s, alone_s = [], [], []
+    for _ in range(args.rounds):  # alternate: the machine's noise falls on all alike
         redcoast_s.append(run_trainer())
         hand_s.append(run_hand())
+        alone_s.append(run_step_alone())
     step_s, ref_s = float(np.median(redcoast_s)), float(np.median(hand_s))
+    alone = float(np.median(alone_s))
 
-    # 4. FLOPs and MFU
+    # 5. FLOPs and MFU
     leaves = jax.tree_util.tree_leaves(params)
     n_total = sum(x.size for x in leaves)
     embed = config.vocab_size * config.hidden_size  # the input lookup: no matmul FLOPs
@@ -211,14 +227,17 @@ def main():
     print(f"FLOPs per token (6N + 12*L*s*h): {flops_per_token / 1e6:,.2f} MFLOP; XLA counts "
           f"{'n/a' if xla_flops is None else f'{xla_flops / tokens / 1e6:,.2f} MFLOP'} per token "
           "in the compiled step")
-    for name, seconds in (("redcoast Trainer", step_s), ("hand-written jit", ref_s)):
+    for name, seconds in (("redcoast Trainer", step_s), ("hand-written jit", ref_s),
+                          ("its step alone", alone)):
         rate = tokens / seconds
         achieved = flops_per_token * rate / jax.device_count()
         mfu = f"{achieved / peak:.1%}" if peak else "n/a (unknown peak: give --peak-tflops)"
         print(f"{name:17s}: {seconds * 1e3:8.1f} ms/step, {rate:12,.0f} tokens/s, "
               f"{achieved / 1e12:7.1f} TFLOP/s per device, MFU {mfu}")
     print(f"redcoast / hand-written step time: {step_s / ref_s:.3f} (medians of {args.rounds} "
-          f"alternating rounds of {steps} steps)")
+          f"alternating rounds of {steps} steps); the Trainer's compiled step alone, in a plain "
+          f"loop: {alone / ref_s:.3f}; each round's Trainer / hand: "
+          + " ".join(f"{a / b:.3f}" for a, b in zip(redcoast_s, hand_s)))
     stats = getattr(device, "memory_stats", lambda: None)() or {}
     if stats.get("peak_bytes_in_use"):
         print(f"peak device memory: {stats['peak_bytes_in_use'] / 2**30:.1f} GiB")

@@ -104,3 +104,22 @@ def test_a_compiler_that_refuses_the_step_stops_the_run_with_the_memory_explaine
                                           r"the compiler refused the step.*Nothing was trained"):
         t.fit(examples(), per_device_batch_size=4, n_epochs=1)
     assert int(t.state.step) == 0
+
+
+def test_the_memory_check_runs_once_a_batch_shape_and_again_for_a_new_one(monkeypatch):
+    # each train() call asks; the compiler's memory analysis of a 22-layer step took 0.12 s a
+    # call, a stall before every epoch's first step, so a shape already found to fit is not
+    # analysed again, and a new shape is
+    from redcoast.layout.memory_check import StepMemory
+    analysed = []
+    real = StepMemory.of.__func__
+    monkeypatch.setattr(StepMemory, "of", classmethod(
+        lambda cls, compiled, state: analysed.append(1) or real(cls, compiled, state)))
+    t = trainer(budget=8 * 2**20)
+    t.fit(examples(), per_device_batch_size=1, n_epochs=3)
+    assert len(analysed) == 1
+    t.train(examples(), per_device_batch_size=2)  # a new batch shape, within the budget
+    assert len(analysed) == 2
+    with pytest.raises(ConfigError, match="does not fit the device"):
+        t.train(examples(4 * 2048), per_device_batch_size=2048)  # activations of 8 MiB a device
+    assert len(analysed) == 3

@@ -51,6 +51,7 @@ class StepMeter:
         self.layout, self.compute_dtype = layout, compute_dtype
         self.accumulate_grad_batches, self.deployer = accumulate_grad_batches, deployer
         self._costs: dict = {}
+        self._fitting: set = set()  # (state, batch) shapes whose step was found to fit
 
     def _compiled(self, state, batch, key):
         return self.layout.train_step.lower(state, batch, key).compile()
@@ -67,7 +68,7 @@ class StepMeter:
     def cost(self, state, batch, key) -> StepCost:
         """What one update of batches shaped like ``batch`` processes and costs."""
         leaves = jax.tree_util.tree_leaves(batch)
-        shape_key = jax.tree_util.tree_structure(batch), tuple((x.shape, x.dtype) for x in leaves)
+        shape_key = _shapes(batch)
         if shape_key in self._costs:
             return self._costs[shape_key]
         k = self.accumulate_grad_batches
@@ -89,10 +90,17 @@ class StepMeter:
     def require_fits(self, state, batch, key) -> None:
         """On an accelerator (or with ``memory_budget_bytes``): the compiled step's peak against
         the device's memory, so that a step too big stops before running with its memory
-        explained (memory_check.py). The step's own call reuses this compilation."""
+        explained (memory_check.py). The step's own call reuses this compilation. Checked
+        once per state and batch shape: each ``train`` call asks, and the compiler's memory
+        analysis alone took 0.12 s a call for a 22-layer model (a stall before the call's first
+        step)."""
         deployer = self.deployer
         if deployer.platform == "cpu" and not deployer.memory_budget_bytes:
             return  # simulated devices share the host's memory: no per-device limit to hold
+        # the state's leaves only: its structure holds the user's apply_fn, maybe unhashable
+        shape_key = _leaf_shapes(state), _shapes(batch)
+        if shape_key in self._fitting:
+            return
         source = ("Deployer(memory_budget_bytes=...)" if deployer.memory_budget_bytes else
                   f"the {deployer.platform} device's memory limit")
         budget, name = deployer.device_memory_budget(), f"layout {self.layout.name}"
@@ -106,3 +114,15 @@ class StepMeter:
                          source + "; the compiler refused the step")
             raise
         require_fits(StepMemory.of(compiled, state), budget, name, source)
+        self._fitting.add(shape_key)
+
+
+def _leaf_shapes(tree):
+    """The shapes and dtypes of ``tree``'s leaves."""
+    return tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _shapes(tree):
+    """``tree``'s structure and its leaves' shapes and dtypes: what a compiled step depends on
+    within one layout."""
+    return jax.tree_util.tree_structure(tree), _leaf_shapes(tree)
