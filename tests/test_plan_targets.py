@@ -259,3 +259,29 @@ def test_the_tpu_compilers_refusal_is_read_in_this_libtpus_words():
     assert refusal is not None, str(refused.value)
     # the 0.5 GiB argument, the 64 GiB product and its 64 GiB sorted copy: the whole need
     assert refusal.needed_bytes == int(128.5 * GIB) and refusal.available_bytes < 32 * GIB
+
+
+@needs_cuda_plugin
+def test_the_gpu_compiler_draws_each_fresh_parameter_in_a_kernel_of_its_own():
+    # XLA:GPU's multi-output fusion put all parameters of one shape into one kernel, whose
+    # assembly grew faster than the layers: TinyLlama-1.1B's init compiled in 164 s on an H200
+    # (models/base.py's INIT_COMPILER_OPTIONS). 2 layers of 256 are enough for it to fuse the
+    # gate and up projections (4 outputs of one kernel without the options)
+    import re
+
+    from jax.sharding import SingleDeviceSharding
+
+    from redcoast.cli.plan_command import _target
+    from redcoast.models import Model
+    from redcoast.models.llama import LlamaConfig, LlamaForCausalLM
+    devices, _ = _target("h100", 1, 1)
+    model = Model(LlamaForCausalLM, LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2))
+    text = model.init_program(0, SingleDeviceSharding(devices[0])).lower().compile().as_text()
+    kernels = re.findall(r"^\s*%?(fused\S*) \(.*\) -> \((.*)\) \{$", text, flags=re.M)
+    assert text.count("fused") > 0  # the program was read as fusions at all
+    # many outputs of one kernel: only the norms' ones (a broadcast), never drawn matrices
+    drawn_together = {name: outputs for name, outputs in kernels
+                      if len(re.findall(r"f32\[\d+,\d+\]", outputs)) > 1}
+    assert not drawn_together, drawn_together

@@ -285,7 +285,7 @@ def _fresh_params(model, paths, shardings, rng):
     rest of the module is built only abstractly inside jit, so XLA drops it unused."""
     from flax import nnx
 
-    from .base import _str_keys
+    from .base import INIT_COMPILER_OPTIONS, _str_keys
 
     def make():
         _, state, _ = nnx.split(model.module_cls(model.config, rngs=nnx.Rngs(rng),
@@ -299,7 +299,7 @@ def _fresh_params(model, paths, shardings, rng):
             out.append(leaf)
         return out
 
-    arrays = jax.jit(make, out_shardings=list(shardings))()
+    arrays = jax.jit(make, out_shardings=list(shardings), compiler_options=INIT_COMPILER_OPTIONS)()
     return {_path_str(p): a for p, a in zip(paths, arrays)}
 
 
