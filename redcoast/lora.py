@@ -198,14 +198,31 @@ class LoRA:
         dora_kernels = [_get(params, p) for p in kernels] if self.use_dora else []
         copies = [_get(params, p) for p in whole]
 
+        # A of the i-th kernel: uniform(fold_in(key(seed), i), its shape, +-bound), drawn for all
+        # kernels of one shape and bound at once (vmapped over i, the same numbers): one random
+        # generator per group in the program, not per kernel. XLA:GPU compiled 210 generators
+        # (SmolLM2's 30 layers x 7 targets) in 44 s for an H100, the groups in 1.7 s
+        groups: dict = {}
+        for i, (path, (stack, fan_in, out, dtype)) in enumerate(shapes.items()):
+            a_shape = (*stack, *fan_in, self.rank_of(path))
+            groups.setdefault((a_shape, 1.0 / math.sqrt(math.prod(fan_in))), []).append((i, path))
+
+        def drawn(key):
+            a_of = {}
+            for (a_shape, bound), members in groups.items():
+                keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
+                    jnp.asarray([i for i, _ in members], jnp.uint32))
+                a = jax.vmap(lambda k, a_shape=a_shape, bound=bound: jax.random.uniform(
+                    k, a_shape, jnp.float32, -bound, bound))(keys)
+                a_of.update({path: a[j] for j, (_, path) in enumerate(members)})
+            return a_of
+
         def make(dora_kernels, copies):  # one compiled program, not one dispatch per array
-            adapters, key = {}, jax.random.PRNGKey(seed)
+            adapters, a_of = {}, drawn(jax.random.PRNGKey(seed))
             for i, (path, (stack, fan_in, out, dtype)) in enumerate(shapes.items()):
                 rank = self.rank_of(path)
-                bound = 1.0 / math.sqrt(math.prod(fan_in))
-                a = jax.random.uniform(jax.random.fold_in(key, i), (*stack, *fan_in, rank),
-                                       jnp.float32, -bound, bound)
-                pair = {A_NAME: a.astype(dtype), B_NAME: jnp.zeros((*stack, rank, *out), dtype)}
+                pair = {A_NAME: a_of[path].astype(dtype),
+                        B_NAME: jnp.zeros((*stack, rank, *out), dtype)}
                 if self.use_dora:
                     w = jnp.asarray(dora_kernels[i], jnp.float32)
                     axes = tuple(range(len(stack), len(stack) + len(fan_in)))

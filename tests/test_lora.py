@@ -528,6 +528,27 @@ def test_adapters_over_a_base_split_over_the_model_shards_are_no_waste(capsys):
 
 # ------------------------------------------------------------------ issue 50: PEFT's options
 
+def test_each_a_is_its_own_kernels_draw_as_before_kernels_of_a_shape_were_drawn_together():
+    # lora.init draws the A of all kernels of one shape at once (vmapped; one random generator
+    # per shape in the program, which XLA:GPU compiles in seconds, not a minute): each must still
+    # be uniform(fold_in(key(seed), i), its shape, +-1/sqrt(fan_in)) for the i-th kernel
+    _, base = _model()
+    lora = LoRA(rank=2, targets=r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$",
+                rank_pattern={"layers/1/.*q_proj": 4})
+    adapters = lora.init(base, seed=7)
+    kernels = lora.selected(base)
+    assert len(kernels) == 14
+    key = jax.random.PRNGKey(7)
+    for i, path in enumerate(kernels):
+        pair, kernel = adapters, base
+        for k in path:
+            pair, kernel = pair[k], kernel[k]
+        bound = 1.0 / np.sqrt(kernel.shape[0])
+        want = jax.random.uniform(jax.random.fold_in(key, i), pair["lora_a"].shape, jnp.float32,
+                                  -bound, bound)
+        np.testing.assert_array_equal(pair["lora_a"], want, err_msg=str(path))
+
+
 def test_rank_and_alpha_patterns_and_rslora_scale_each_kernel_as_numpy_does():
     _, base = _model()
     lora = LoRA(rank=2, alpha=4, targets=r"(q_proj|v_proj)/kernel$",
