@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
 
 from ..layout.flops import traced_flops
 from ..layout.memory_check import StepMemory, compiler_refusal, require_fits
@@ -118,8 +119,9 @@ class StepMeter:
 
 
 def _leaf_shapes(tree):
-    """The shapes and dtypes of ``tree``'s leaves."""
-    return tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree))
+    """The shapes and dtypes of ``tree``'s leaves (a Python number's type for its dtype)."""
+    return tuple((np.shape(x), getattr(x, "dtype", type(x)))
+                 for x in jax.tree_util.tree_leaves(tree))
 
 
 def _shapes(tree):
