@@ -17,8 +17,9 @@ from flax import nnx
 # generator and its normal transform in the gate/up projections' kernel), and the GPU assembler's
 # time grows faster than the kernel's length: TinyLlama-1.1B's init compiled in 164 s on an H200
 # (jax 0.11.2), against 25 s for its training step; for an H100 with that pass off, 31 s instead
-# of 188 (compile-only, jax 0.10.2). Each kernel then computes one parameter, the same numbers
-# (XLA:CPU bit for bit). The init runs once, so its kernels' speed does not matter.
+# of 188 (compile-only, jax 0.10.2); 24 s on the H200. Each kernel then computes one parameter,
+# the same numbers (bit for bit on XLA:CPU and on the H200). The TPU compiler takes the option
+# too (libtpu 0.0.42.1). The init runs once, so its kernels' speed does not matter.
 INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "multi_output_fusion"}
 
 
