@@ -23,7 +23,8 @@ def test_gpu_mfu_tiny_runs_and_reports():
     text = tiny_run("gpu_mfu.py")
     for expected in ("candidate: per-device batch 2, remat False", "-> fits", "jax ",
                      "FLOPs per token (6N + 12*L*s*h)", "redcoast Trainer :", "hand-written jit :",
-                     "redcoast / hand-written step time:", "attention xla"):
+                     "redcoast / hand-written step time:", "attention xla", "its step alone   :",
+                     "first update (compile + one step): Trainer"):
         assert expected in text, (expected, text)
 
 
