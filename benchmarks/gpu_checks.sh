@@ -27,8 +27,10 @@ sections=("$@")
 [ $# -gt 0 ] || sections=(mfu init generate)
 for section in "${sections[@]}"; do
     case $section in
-    mfu) timeout 300 python3 benchmarks/gpu_mfu.py --rounds 4 --steps 20 2>&1 | quiet | tee "$OUT/mfu.log" ;;
-    init) timeout 120 python3 benchmarks/init_compile.py --layers 22 2>&1 | quiet | tee "$OUT/init.log" ;;
+    mfu) timeout 300 python3 benchmarks/gpu_mfu.py --rounds 4 --steps 20 2>&1 | quiet \
+        | tee "$OUT/mfu.log" ;;
+    init) timeout 120 python3 benchmarks/init_compile.py --layers 22 2>&1 | quiet \
+        | tee "$OUT/init.log" ;;
     generate) timeout 300 python3 benchmarks/generate.py --real --model-shards 1 2>&1 | quiet \
         | tee "$OUT/generate.log" ;;
     plans)

@@ -533,7 +533,7 @@ def test_each_a_is_its_own_kernels_draw_as_before_kernels_of_a_shape_were_drawn_
     # per shape in the program, which XLA:GPU compiles in seconds, not a minute): each must still
     # be uniform(fold_in(key(seed), i), its shape, +-1/sqrt(fan_in)) for the i-th kernel
     _, base = _model()
-    lora = LoRA(rank=2, targets=r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel$",
+    lora = LoRA(rank=2, targets=r"(q|k|v|o|gate|up|down)_proj/kernel$",
                 rank_pattern={"layers/1/.*q_proj": 4})
     adapters = lora.init(base, seed=7)
     kernels = lora.selected(base)
