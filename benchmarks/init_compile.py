@@ -3,6 +3,7 @@
     python benchmarks/init_compile.py --layers 22                 # TinyLlama-1.1B's shape
     python benchmarks/init_compile.py --layers 22 --without       # also without the options
     python benchmarks/init_compile.py --layers 22 --target h100   # XLA:GPU, no GPU needed
+    python benchmarks/init_compile.py --tiny                      # CI: width 64, both ways
 
 ``Model.init`` is one jitted program. Without ``models/base.INIT_COMPILER_OPTIONS`` XLA:GPU's
 multi-output fusion draws every parameter of one shape in one kernel, whose assembly time grows
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--without", action="store_true", help="also compile without the options")
     ap.add_argument("--target", default=None, help="a GPU target (h100, h200, ...): compile only")
+    ap.add_argument("--tiny", action="store_true", help="width 64, 2 layers: a smoke run (CI)")
     args = ap.parse_args()
     if args.target:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -44,10 +46,15 @@ def main():
         device, what = jax.devices()[0], f"{jax.devices()[0].device_kind}"
     print(f"jax {jax.__version__}; compiling for {what}")
 
+    width = (dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                  num_key_value_heads=2) if args.tiny else
+             dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                  num_attention_heads=32, num_key_value_heads=4))
+    if args.tiny:
+        args.layers, args.without = 2, True
+
     def model(layers):
-        return Model(LlamaForCausalLM, LlamaConfig(
-            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-            num_attention_heads=32, num_key_value_heads=4))
+        return Model(LlamaForCausalLM, LlamaConfig(**width, num_hidden_layers=layers))
 
     def program(m, options):
         saved, base.INIT_COMPILER_OPTIONS = base.INIT_COMPILER_OPTIONS, options

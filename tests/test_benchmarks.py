@@ -29,6 +29,14 @@ def test_gpu_mfu_tiny_runs_and_reports():
 
 
 @pytest.mark.slow
+def test_init_compile_tiny_compiles_both_ways_and_draws_the_same_numbers():
+    text = tiny_run("init_compile.py")
+    for expected in ("2 layers, redcoast's options: compiled in", "2 layers, without them:",
+                     "the same numbers with and without the options: yes"):
+        assert expected in text, (expected, text)
+
+
+@pytest.mark.slow
 def test_real_size_tiny_runs_every_program_and_their_losses_agree():
     # B2 (issue 51) shrunk: SmolLM2's and a 1B Llama's shapes at width 64, a mesh each; the
     # script exits non-zero where redcoast's and the hand-written step's eval losses disagree
