@@ -57,13 +57,9 @@ def main():
         return Model(LlamaForCausalLM, LlamaConfig(**width, num_hidden_layers=layers))
 
     def program(m, options):
-        saved, base.INIT_COMPILER_OPTIONS = base.INIT_COMPILER_OPTIONS, options
-        try:
-            return m.init_program(0, SingleDeviceSharding(device))
-        finally:
-            base.INIT_COMPILER_OPTIONS = saved
+        return m.init_program(0, SingleDeviceSharding(device), compiler_options=options)
 
-    kinds = {"redcoast's options": dict(base.INIT_COMPILER_OPTIONS)}
+    kinds = {"redcoast's options": base.INIT_COMPILER_OPTIONS}
     if args.without:
         kinds["without them"] = {}
     for name, options in kinds.items():

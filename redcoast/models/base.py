@@ -73,12 +73,15 @@ class Model:
         """Fresh random parameters (the module's own initialisers), optionally placed sharded."""
         return self.init_program(seed, out_shardings)()
 
-    def init_program(self, seed=0, out_shardings=None):
-        """The jitted program :meth:`init` runs (to lower or compile it for other devices)."""
+    def init_program(self, seed=0, out_shardings=None, *, compiler_options=None):
+        """The jitted program :meth:`init` runs (to lower or compile it for other devices),
+        compiled with ``compiler_options`` (default :data:`INIT_COMPILER_OPTIONS`; ``{}``: XLA's
+        own)."""
         def make():
             _, state, _ = nnx.split(self._build(seed), nnx.Param, ...)
             return _str_keys(nnx.to_pure_dict(state))
-        return jax.jit(make, out_shardings=out_shardings, compiler_options=INIT_COMPILER_OPTIONS)
+        options = INIT_COMPILER_OPTIONS if compiler_options is None else compiler_options
+        return jax.jit(make, out_shardings=out_shardings, compiler_options=options)
 
     def bind(self, params):
         """The module with ``params`` in it (for use inside a traced function)."""
