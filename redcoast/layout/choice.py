@@ -16,6 +16,7 @@ from ..store import user_cache
 from ..store.workdir import is_url
 from .abstract import placed, shapes_of
 from .layout import Recipe, choose_layout
+from .precision import wider_products_note
 from .remembered import LayoutMemory
 
 
@@ -45,6 +46,10 @@ def choose_run_layout(recipe: Recipe, state, train_key, deployer, options: Mappi
         deployer.log_warning(layout.plan.nothing_to_split(frozen_split) + ".")
     elif short := layout.plan.short_of_megatron(frozen_split):  # said always
         deployer.log_warning(short + ".")
+    if recipe.train_step_fn is None and (
+            wider := wider_products_note(recipe.loss_fn, recipe.compute_dtype, state,
+                                         batch_for(layout.mesh))):  # said always
+        deployer.log_warning(wider + ".")
     if len(shard_counts) > 1:  # said always: the run's mesh is not the one the deployer began with
         deployer.log_info(f"n_model_shards='auto' chose {layout.n_model_shards} (mesh dp="
                           f"{layout.n_data_shards} x mp={layout.n_model_shards}): {layout.reason}.")

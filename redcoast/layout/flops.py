@@ -67,9 +67,12 @@ def _shard_map_devices(params):
     return math.prod(shape[a] for a in axes)
 
 
-def _flops(eqn, total_of):
-    """One equation's FLOPs (``total_of``: a sub-program's, counted the same way)."""
+def _flops(eqn, total_of, counted=None):
+    """One equation's FLOPs (``total_of``: a sub-program's, counted the same way); with
+    ``counted``, only the products for which ``counted(eqn)`` is true."""
     name = eqn.primitive.name
+    if name in (DOT, CONV) and counted is not None and not counted(eqn):
+        return 0.0
     if name == DOT:
         return dot_general_flops(eqn)
     if name == CONV:
@@ -85,9 +88,10 @@ def _flops(eqn, total_of):
     return sum(total_of(sub) for _, _, sub in sub_programs(eqn))
 
 
-def jaxpr_flops(jaxpr):
-    """Matrix-product and convolution FLOPs of one run of ``jaxpr`` (a Jaxpr or ClosedJaxpr)."""
-    return float(total(jaxpr, _flops))
+def jaxpr_flops(jaxpr, counted=None):
+    """Matrix-product and convolution FLOPs of one run of ``jaxpr`` (a Jaxpr or ClosedJaxpr);
+    with ``counted(eqn) -> bool``, of the products it picks only."""
+    return float(total(jaxpr, lambda eqn, total_of: _flops(eqn, total_of, counted)))
 
 
 def traced_flops(fn, *args):
