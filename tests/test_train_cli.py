@@ -320,6 +320,31 @@ def test_a_run_from_a_file_keeps_its_record_and_reruns_from_it(tmp_path, monkeyp
     assert os.stat(tmp_path / "out" / "model.safetensors").st_mtime_ns == written
 
 
+def test_bf16_compute_runs_the_model_in_bf16_not_float32_with_rounded_weights(tmp_path, capfd):
+    # trainer.compute_dtype is the CLI's one precision knob (TRL's bf16: true): the model built
+    # from model.path computes in it, so the Trainer has nothing to say about float32 products
+    from redcoast import Deployer
+    from redcoast.cli.run_config import ModelConfig
+    from redcoast.cli.train_command import load_model
+    folder = tiny_model(tmp_path / "model")
+    deployer = Deployer(n_model_shards=1, verbose=False)
+    for name, dtype in (("float32", np.float32), ("bfloat16", "bfloat16")):
+        model, params, _, _ = load_model(ModelConfig(path=folder), deployer, name)
+        assert np.dtype(model.config.dtype) == np.dtype(dtype)
+        assert {x.dtype for x in jax_leaves(params)} == {np.dtype(np.float32)}  # param_dtype
+    train, _ = demo_files(tmp_path, 16, 4)
+    assert main([f"--model.path={folder}", f"--data.train={train}", "--data.max_length=24",
+                 f"--deployer.workdir={tmp_path / 'work'}", "--trainer.compute_dtype=bfloat16",
+                 "--fit.per_device_batch_size=2", "--fit.n_epochs=1"]) == 0
+    out = capfd.readouterr()
+    assert "FLOPs multiply wider operands" not in out.out + out.err
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree_util.tree_leaves(tree)
+
+
 def test_the_command_names_what_is_missing_or_wrong(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.yaml").write_text("model: {path: m}\n")

@@ -102,7 +102,7 @@ def _train(cfg, deployer, record):
     from .text_task import make_loss_fn
     from ..trainer import Trainer
 
-    model, params, tokenizer, family = load_model(cfg.model, deployer)
+    model, params, tokenizer, family = load_model(cfg.model, deployer, cfg.trainer.compute_dtype)
     task = task_of(cfg.model.task, family)
     tokens = special_tokens(model, tokenizer)
     train_examples, eval_examples, collate_fn = load_examples(
@@ -234,15 +234,20 @@ def export(cfg, model, tokenizer, trainer, lora, deployer):
                           "peft.PeftModel.from_pretrained(<the base model>, folder))")
 
 
-def load_model(model_cfg, deployer):
+def load_model(model_cfg, deployer, compute_dtype="float32"):
     """``(model, params, tokenizer, family)`` from ``model.path``: a GGUF file, a Hugging Face
-    folder with weights, or a config.json (a folder with no weights) initialised fresh."""
+    folder with weights, or a config.json (a folder with no weights) initialised fresh. The
+    model computes in ``compute_dtype`` (``trainer.compute_dtype``, as TRL's ``bf16: true``
+    does): left at its float32 ``dtype`` it would cast the Trainer's bf16 parameters back up."""
     import jax.numpy as jnp
 
     from ..models import from_gguf, from_pretrained
 
     path, dtype = model_cfg.path, jnp.dtype(model_cfg.param_dtype)
-    overrides = {"remat": True} if model_cfg.remat else None
+    overrides = {"remat": True} if model_cfg.remat else {}
+    if jnp.dtype(compute_dtype) != jnp.float32:
+        overrides["dtype"] = getattr(jnp, jnp.dtype(compute_dtype).name)
+    overrides = overrides or None
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ConfigError(f"model.path {path} does not exist. Fix: give a GGUF file, a "
