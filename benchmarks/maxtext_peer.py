@@ -65,20 +65,13 @@ def overrides(config, seq, batch, steps, mesh, lr, workdir, cache):
     ]
 
 
-def device0_bytes(tree):
-    import jax
-    dev = jax.devices()[0]
-    return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
-               if hasattr(x, "addressable_shards")
-               for s in x.addressable_shards if s.device == dev)
-
-
 def run_maxtext(config, seq, batch, steps, mesh, lr, workdir, cache):
     """MaxText's run of ``steps`` updates: the same dict as real_size's other programs."""
     import jax
     from maxtext.common import metric_logger
     from maxtext.trainers.pre_train import train
     from maxtext.utils import max_utils, train_utils
+    from real_size import device0_bytes  # beside this file: the child put its folder on the path
 
     seen = {"done": [], "loss": [], "peak": None, "state": None}
     setup, write, memory = (train_utils.setup_train_loop, metric_logger.MetricLogger.write_metrics,

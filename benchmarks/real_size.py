@@ -141,6 +141,7 @@ def device0_bytes(tree):
     import jax
     dev = jax.devices()[0]
     return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
+               if hasattr(x, "addressable_shards")  # arrays only (MaxText's state holds others)
                for s in x.addressable_shards if s.device == dev)
 
 

@@ -247,7 +247,6 @@ def load_model(model_cfg, deployer, compute_dtype="float32"):
     overrides = {"remat": True} if model_cfg.remat else {}
     if jnp.dtype(compute_dtype) != jnp.float32:
         overrides["dtype"] = getattr(jnp, jnp.dtype(compute_dtype).name)
-    overrides = overrides or None
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ConfigError(f"model.path {path} does not exist. Fix: give a GGUF file, a "

@@ -10,7 +10,7 @@ so (issue 51: a benchmark of this project's own measured float32 products for we
 import jax
 import jax.numpy as jnp
 
-from .flops import CONV, DOT, jaxpr_flops
+from .flops import jaxpr_flops
 from .steps import cast_floating, with_frozen_cast
 
 # the share of matrix-product FLOPs in a wider dtype than asked for above which the run is told:
@@ -19,12 +19,11 @@ WIDER_SHARE = 0.5
 
 
 def _wider_than(dtype):
-    """``counted(eqn)``: a matrix product whose operands include one wider than ``dtype``."""
+    """``counted(eqn)`` for :func:`jaxpr_flops` (which asks it of matrix products and
+    convolutions only): one of the two operands is wider than ``dtype``."""
     itemsize = jnp.dtype(dtype).itemsize
 
     def counted(eqn):
-        if eqn.primitive.name not in (DOT, CONV):
-            return False
         return any(jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.dtype.itemsize > itemsize
                    for v in eqn.invars[:2])
     return counted
