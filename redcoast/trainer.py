@@ -233,9 +233,14 @@ class Trainer:
         """Once, before the first step: choose the layout from the loss traced on the first
         batch (``batch_for(mesh)``: a first micro-batch on ``mesh``) and move the state to it."""
         if not self.layout.final:
+            abstract = {}  # one collate_fn call per mesh however often the layout asks
+
+            def abstract_batch_for(mesh):
+                if mesh not in abstract:
+                    abstract[mesh] = _abstract(batch_for(mesh))
+                return abstract[mesh]
             self._adopt(choose_run_layout(self.recipe, self._state, self._progress.train_key,
-                                          self.deployer, self._options,
-                                          lambda mesh: _abstract(batch_for(mesh))))
+                                          self.deployer, self._options, abstract_batch_for))
 
     def _adopt(self, layout):
         """Run in ``layout`` from now on: the state and random keys move to it (donated)."""

@@ -82,3 +82,18 @@ def test_float32_compute_is_never_traced_for_it(monkeypatch, capsys):
     _train(lambda rng, state, p, batch, t: jnp.mean((batch["x"] @ p["w"]) ** 2), params,
            compute_dtype=jnp.float32)
     assert TOLD not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16])
+def test_the_first_batch_is_collated_once_however_often_the_layout_asks_for_it(compute_dtype):
+    # the layout's choice and this check both trace on the first batch: collate_fn runs for it
+    # once, then once an update (a user counting calls, or one with side effects, sees no extra)
+    calls = []
+
+    def collate(rows):
+        calls.append(len(rows))
+        return _collate(rows)
+    params = {"w": np.ones((16, 4), np.float32)}
+    trainer = _train(lambda rng, state, p, batch, t: jnp.mean((batch["x"] @ p["w"]) ** 2), params,
+                     compute_dtype=compute_dtype, rows=_rows(16), collate=collate)
+    assert len(calls) == 1 + trainer.step, calls
