@@ -24,8 +24,9 @@ Its layers stay scanned (``scan_layers``, its default).
 
 What is read, without changing what MaxText runs: its compiled train step's memory analysis
 (the figures it logs rounded to 0.1 GB), the bytes of its train state on device 0 after its
-set-up, and the moment each step's metrics reach the host (MaxText writes a step's metrics
-after dispatching the next step; this blocks on them first).
+set-up, the moment each step's metrics reach the host (MaxText writes a step's metrics
+after dispatching the next step; this blocks on them first), and the share of its train step's
+dot FLOPs XLA:CPU runs outside YNNPACK (xla_cpu_dots.py; the program it compiles with the most).
 """
 
 import os
@@ -72,6 +73,7 @@ def run_maxtext(config, seq, batch, steps, mesh, lr, workdir, cache):
     from maxtext.trainers.pre_train import train
     from maxtext.utils import max_utils, train_utils
     from real_size import device0_bytes  # beside this file: the child put its folder on the path
+    from xla_cpu_dots import dot_flops_outside_ynn
 
     seen = {"done": [], "loss": [], "peak": None, "state": None}
     setup, write, memory = (train_utils.setup_train_loop, metric_logger.MetricLogger.write_metrics,
@@ -95,6 +97,15 @@ def run_maxtext(config, seq, batch, steps, mesh, lr, workdir, cache):
                             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
         return memory(stats, prefix)
 
+    compiled = []  # every program MaxText compiles: its train step has the most dot FLOPs
+    compile_lowered = jax.stages.Lowered.compile
+
+    def compile_and_keep(self, *a, **k):
+        out = compile_lowered(self, *a, **k)
+        compiled.append(dot_flops_outside_ynn(out.as_text()))
+        return out
+
+    jax.stages.Lowered.compile = compile_and_keep
     train_utils.setup_train_loop = setup_and_measure
     metric_logger.MetricLogger.write_metrics = write_and_time
     max_utils.print_compiled_memory_stats = memory_and_keep
@@ -103,13 +114,19 @@ def run_maxtext(config, seq, batch, steps, mesh, lr, workdir, cache):
     argv = ["train", os.path.normpath(base)] + overrides(config, seq, batch, steps, mesh, lr,
                                                          workdir, cache)
     start = time.perf_counter()
-    train.main(argv)
+    try:
+        train.main(argv)
+    finally:
+        jax.stages.Lowered.compile = compile_lowered
     done = [start] + seen["done"]
-    if len(seen["done"]) != steps or seen["peak"] is None or seen["state"] is None:
+    if len(seen["done"]) != steps or seen["peak"] is None or seen["state"] is None or not compiled:
         raise RuntimeError(f"MaxText's run was not read whole: {len(seen['done'])} of {steps} "
                            f"steps' metrics, memory analysis {seen['peak']}, state "
-                           f"{seen['state']}; has its trainer changed?")
+                           f"{seen['state']}, {len(compiled)} programs compiled; has its "
+                           "trainer changed?")
+    outside, total = max(compiled, key=lambda c: c[1])
     # no eval loss: MaxText's synthetic batches are constant, so its loss falls to near 0
     return dict(times=[b - a for a, b in zip(done, done[1:])], first_loss=seen["loss"][0],
                 eval_loss=None, peak=seen["peak"], state=seen["state"],
+                slow_dots=outside / max(total, 1),
                 layout=f"fsdp {mesh[0]} x tensor {mesh[1]}, scanned layers, no remat")

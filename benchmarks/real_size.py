@@ -39,6 +39,9 @@ redcoast, ...) ``--repeats`` times per mesh; medians are printed. Per row:
                 and / hand's on an empty cache
   warm 1st s    the same with the cache the first run left (redcoast's per-user cache and the
                 run's workdir; hand: JAX's compilation cache in a folder)
+  slow          the share of the step's matrix-product FLOPs that XLA:CPU runs in Eigen rather than
+                YNNPACK (xla_cpu_dots.py says why): on this CPU several times slower, so a
+                program with a larger share steps slower for the compiler's reason, not its own
   1st loss      the first update's training loss (the same parameters and batch in every
                 program), then the eval loss: the mean loss on held-out batches after ``--steps``
                 + 1 updates. Both must agree between the programs (bfloat16 compute: to 2e-2
@@ -145,6 +148,13 @@ def device0_bytes(tree):
                for s in x.addressable_shards if s.device == dev)
 
 
+def slow_dots(compiled):
+    """The share of ``compiled``'s dot FLOPs XLA:CPU runs outside YNNPACK (xla_cpu_dots.py)."""
+    from xla_cpu_dots import dot_flops_outside_ynn  # beside this file, on the child's path
+    outside, total = dot_flops_outside_ynn(compiled.as_text())
+    return outside / max(total, 1)
+
+
 def compiled_peak(compiled):
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
@@ -180,8 +190,9 @@ def run_redcoast(model, params, train, held_out, mesh, batch, workdir, record):
         json.dump({"mesh": dict(trainer.mesh.shape), "specs": jax.tree_util.tree_leaves(
             specs, is_leaf=lambda x: isinstance(x, list)), "layout": trainer.layout.description},
             f)
-    peak = compiled_peak(trainer.compile_train_step(collate(train[:batch])))
-    return dict(times=times, first_loss=losses[0], eval_loss=eval_loss, peak=peak,
+    compiled = trainer.compile_train_step(collate(train[:batch]))
+    return dict(times=times, first_loss=losses[0], eval_loss=eval_loss,
+                peak=compiled_peak(compiled), slow_dots=slow_dots(compiled),
                 layout=trainer.layout.description,
                 state=device0_bytes((state.params, state.opt_state)))
 
@@ -239,21 +250,22 @@ def run_hand(model, params, train, held_out, mesh, batch, steps, record):
     eval_loss = statistics.fmean(
         float(evaluate(state[0], jax.device_put(collate(held_out[i:i + batch]), rows)))
         for i in range(0, len(held_out), batch))
-    peak = compiled_peak(step.lower(state, b).compile())
-    return dict(times=times, first_loss=losses[0], eval_loss=eval_loss, peak=peak,
+    compiled = step.lower(state, b).compile()
+    return dict(times=times, first_loss=losses[0], eval_loss=eval_loss,
+                peak=compiled_peak(compiled), slow_dots=slow_dots(compiled),
                 state=device0_bytes(state))
 
 
 def one(args):
     """In this fresh process: one program's run, printed as one JSON line."""
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
     from redcoast.simulate import simulate_cpu_devices
     simulate_cpu_devices(8)
     model, params = build(args.shape, args.layers, args.seq, args.tiny)
     train, held_out = data(model.config.vocab_size, args.seq, args.batch, args.steps)
     mesh = tuple(int(x) for x in args.mesh.split("x"))
     if args.one == PEER:
-        sys.path.insert(0, HERE)
         from maxtext_peer import run_maxtext
         out = run_maxtext(model.config, args.seq, args.batch, args.steps + 1, mesh, LR,
                           args.workdir, args.cache)
@@ -328,7 +340,8 @@ def row(mesh, runs, tokens):
         lines.append(
             f"{mesh:>5} {p:>9} {step[p] * 1e3:9.1f} {step[p] / step['hand']:6.3f} "
             f"{tokens / step[p]:9.0f} {x['state'] / 2**20:9.1f} {x['peak'] / 2**20:9.1f} "
-            f"{first[p]:7.2f} {first[p] / first['hand']:6.2f} {warm[p]} {firsts[p]:9.4f} "
+            f"{first[p]:7.2f} {first[p] / first['hand']:6.2f} {warm[p]} {x['slow_dots']:5.0%} "
+            f"{firsts[p]:9.4f} "
             + (f"{losses[p]:9.4f}" if p in losses else f"{'-':>9}") + notes[p])
     return lines, agree
 
@@ -364,7 +377,7 @@ def main():
                              "no row: not installed here (maxtext_peer.py says how)"))
         print(f"{'mesh':>5} {'program':>9} {'step ms':>9} {'/hand':>6} {'tokens/s':>9} "
               f"{'state MiB':>9} {'peak MiB':>9} {'1st s':>7} {'/hand':>6} {'warm s':>7} "
-              f"{'1st loss':>9} {'eval loss':>9}")
+              f"{'slow':>5} {'1st loss':>9} {'eval loss':>9}")
         with tempfile.TemporaryDirectory() as scratch:
             for mesh in meshes.split(","):
                 lines, agree = row(mesh, one_mesh(args, mesh, scratch), args.batch * args.seq)

@@ -1,0 +1,76 @@
+"""The share of a compiled CPU program's matrix-product FLOPs that XLA:CPU runs outside YNNPACK.
+
+On jax >= 0.12, XLA:CPU hands a dot to YNNPACK (a ``__ynn_fusion``; AVX512-BF16 kernels here) only
+when its left operand contracts its trailing dimensions in row-major layout: XLA does not yet
+emit the transposes that would make the other dots eligible (``IsDotSupportedByYnn`` in XLA's
+``xla/backends/cpu/ynn_support.cc``). Every other dot runs in Eigen, whose bfloat16 GEMM is several
+times slower on these CPUs. A weight gradient (activations^T x output gradients) contracts over
+the tokens, so whether it runs fast depends on which operand XLA's layout assignment transposes,
+which differs between programs of the same model: B2 (real_size.py) prints this share for each
+program so that a step-time gap on CPU can be told apart from a gap in the program itself.
+
+    python benchmarks/xla_cpu_dots.py program.hlo     # the text of compiled.as_text()
+"""
+
+import re
+import sys
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+_DEFINITION = re.compile(r"%([\w.\-]+) = \w+\[([0-9,]*)\]")
+_DOT = re.compile(r"= \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\), "
+                  r"lhs_contracting_dims=\{([0-9,]*)\}")
+_CALLS = re.compile(r"(?:calls|body|to_apply|condition)=%([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _dims(text):
+    return [int(d) for d in text.split(",")] if text else []
+
+
+def dot_flops_outside_ynn(hlo_text):
+    """``(outside, total)``: the dot FLOPs one device runs per call of the program outside
+    YNNPACK, and all of its dot FLOPs (a dot in a loop body counted its known trip count times)."""
+    bodies, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        if match := _COMPUTATION.match(line):
+            current = match.group(1)
+            bodies[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif line == "}":
+            current = None
+        elif current is not None:
+            bodies[current].append(line)
+    if entry is None:
+        raise ValueError("not the text of a compiled HLO module (no ENTRY computation)")
+    shapes = {m.group(1): _dims(m.group(2)) for m in _DEFINITION.finditer(hlo_text)}
+    # how often each computation runs per call, and whether it is a YNNPACK fusion's body
+    runs, in_ynn, todo = {entry: 1}, {entry: False}, [entry]
+    while todo:
+        name = todo.pop()
+        for line in bodies.get(name, ()):
+            trips = _TRIPS.search(line) if " while(" in line else None
+            for callee in _CALLS.findall(line):
+                if callee in bodies and callee not in runs:
+                    runs[callee] = runs[name] * (int(trips.group(1)) if trips else 1)
+                    in_ynn[callee] = in_ynn[name] or "__ynn_fusion" in line
+                    todo.append(callee)
+    outside = total = 0
+    for name, count in runs.items():
+        for line in bodies[name]:
+            if match := _DOT.search(line):
+                out, lhs, _, contracting = match.groups()
+                flops = 2 * count
+                for d in _dims(out):
+                    flops *= d
+                for d in _dims(contracting):
+                    flops *= shapes[lhs][d]
+                total += flops
+                outside += 0 if in_ynn[name] else flops
+    return outside, total
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        outside, total = dot_flops_outside_ynn(f.read())
+    print(f"{outside / 1e9:.1f} of {total / 1e9:.1f} GFLOP of dots outside YNNPACK "
+          f"({outside / max(total, 1):.0%})")
