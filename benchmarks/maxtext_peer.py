@@ -26,7 +26,8 @@ What is read, without changing what MaxText runs: its compiled train step's memo
 (the figures it logs rounded to 0.1 GB), the bytes of its train state on device 0 after its
 set-up, the moment each step's metrics reach the host (MaxText writes a step's metrics
 after dispatching the next step; this blocks on them first), and the share of its train step's
-dot FLOPs XLA:CPU runs outside YNNPACK (xla_cpu_dots.py; the program it compiles with the most).
+dot FLOPs XLA:CPU runs in Eigen's bfloat16 GEMM (xla_cpu_dots.py; of the program it compiles
+with the most dot FLOPs).
 """
 
 import os
@@ -73,7 +74,7 @@ def run_maxtext(config, seq, batch, steps, mesh, lr, workdir, cache):
     from maxtext.trainers.pre_train import train
     from maxtext.utils import max_utils, train_utils
     from real_size import device0_bytes  # beside this file: the child put its folder on the path
-    from xla_cpu_dots import dot_flops_outside_ynn
+    from xla_cpu_dots import slow_dot_flops
 
     seen = {"done": [], "loss": [], "peak": None, "state": None}
     setup, write, memory = (train_utils.setup_train_loop, metric_logger.MetricLogger.write_metrics,
@@ -102,7 +103,7 @@ def run_maxtext(config, seq, batch, steps, mesh, lr, workdir, cache):
 
     def compile_and_keep(self, *a, **k):
         out = compile_lowered(self, *a, **k)
-        compiled.append(dot_flops_outside_ynn(out.as_text()))
+        compiled.append(slow_dot_flops(out.as_text()))
         return out
 
     jax.stages.Lowered.compile = compile_and_keep
@@ -124,9 +125,9 @@ def run_maxtext(config, seq, batch, steps, mesh, lr, workdir, cache):
                            f"steps' metrics, memory analysis {seen['peak']}, state "
                            f"{seen['state']}, {len(compiled)} programs compiled; has its "
                            "trainer changed?")
-    outside, total = max(compiled, key=lambda c: c[1])
+    slow, total = max(compiled, key=lambda c: c[1])
     # no eval loss: MaxText's synthetic batches are constant, so its loss falls to near 0
     return dict(times=[b - a for a, b in zip(done, done[1:])], first_loss=seen["loss"][0],
                 eval_loss=None, peak=seen["peak"], state=seen["state"],
-                slow_dots=outside / max(total, 1),
+                slow_dots=slow / max(total, 1),
                 layout=f"fsdp {mesh[0]} x tensor {mesh[1]}, scanned layers, no remat")

@@ -39,9 +39,10 @@ redcoast, ...) ``--repeats`` times per mesh; medians are printed. Per row:
                 and / hand's on an empty cache
   warm 1st s    the same with the cache the first run left (redcoast's per-user cache and the
                 run's workdir; hand: JAX's compilation cache in a folder)
-  slow          the share of the step's matrix-product FLOPs that XLA:CPU runs in Eigen rather than
-                YNNPACK (xla_cpu_dots.py says why): on this CPU several times slower, so a
-                program with a larger share steps slower for the compiler's reason, not its own
+  slow          the share of the step's matrix-product FLOPs that XLA:CPU runs in Eigen's bfloat16
+                GEMM rather than YNNPACK (xla_cpu_dots.py says why): several times slower on
+                this CPU, so a program with a larger share steps slower for the compiler's
+                reason, not its own
   1st loss      the first update's training loss (the same parameters and batch in every
                 program), then the eval loss: the mean loss on held-out batches after ``--steps``
                 + 1 updates. Both must agree between the programs (bfloat16 compute: to 2e-2
@@ -149,10 +150,10 @@ def device0_bytes(tree):
 
 
 def slow_dots(compiled):
-    """The share of ``compiled``'s dot FLOPs XLA:CPU runs outside YNNPACK (xla_cpu_dots.py)."""
-    from xla_cpu_dots import dot_flops_outside_ynn  # beside this file, on the child's path
-    outside, total = dot_flops_outside_ynn(compiled.as_text())
-    return outside / max(total, 1)
+    """The share of ``compiled``'s dot FLOPs XLA:CPU runs in Eigen's 16-bit GEMM (xla_cpu_dots.py)."""
+    from xla_cpu_dots import slow_dot_flops  # beside this file, on the child's path
+    slow, total = slow_dot_flops(compiled.as_text())
+    return slow / max(total, 1)
 
 
 def compiled_peak(compiled):

@@ -1,13 +1,17 @@
-"""The share of a compiled CPU program's matrix-product FLOPs that XLA:CPU runs outside YNNPACK.
+"""The share of a compiled CPU program's matrix-product FLOPs that XLA:CPU runs slowly: 16-bit
+floating-point dots outside YNNPACK.
 
-On jax >= 0.12, XLA:CPU hands a dot to YNNPACK (a ``__ynn_fusion``; AVX512-BF16 kernels here) only
-when its left operand contracts its trailing dimensions in row-major layout: XLA does not yet
-emit the transposes that would make the other dots eligible (``IsDotSupportedByYnn`` in XLA's
-``xla/backends/cpu/ynn_support.cc``). Every other dot runs in Eigen, whose bfloat16 GEMM is several
-times slower on these CPUs. A weight gradient (activations^T x output gradients) contracts over
-the tokens, so whether it runs fast depends on which operand XLA's layout assignment transposes,
-which differs between programs of the same model: B2 (real_size.py) prints this share for each
-program so that a step-time gap on CPU can be told apart from a gap in the program itself.
+XLA:CPU (jax 0.10 to 0.12) hands a dot to YNNPACK (a ``__ynn_fusion``) only when its left
+operand contracts its trailing dimensions in row-major layout: XLA does not yet emit the
+transposes that would make the other dots eligible (``IsDotSupportedByYnn`` in XLA's
+``xla/backends/cpu/ynn_support.cc``). Every other dot runs in Eigen. For float32 that costs
+little (Eigen's float32 GEMM is about as fast as YNNPACK's on these CPUs), and jax 0.10
+multiplies bfloat16 in float32 anyway; jax 0.12 keeps bfloat16 dots in bfloat16, and Eigen's
+bfloat16 GEMM is several times slower than either. A weight gradient (activations^T x output
+gradients) contracts over the tokens, so whether it runs fast depends on which operand XLA's
+layout assignment transposes, which differs between programs of the same model: B2
+(real_size.py) prints this share for each program so that a step-time gap on CPU can be told
+apart from a gap in the program itself.
 
     python benchmarks/xla_cpu_dots.py program.hlo     # the text of compiled.as_text()
 """
@@ -16,7 +20,8 @@ import re
 import sys
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
-_DEFINITION = re.compile(r"%([\w.\-]+) = \w+\[([0-9,]*)\]")
+_DEFINITION = re.compile(r"%([\w.\-]+) = (\w+)\[([0-9,]*)\]")
+_NARROW = {"bf16", "f16"}
 _DOT = re.compile(r"= \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\), "
                   r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CALLS = re.compile(r"(?:calls|body|to_apply|condition)=%([\w.\-]+)")
@@ -27,9 +32,10 @@ def _dims(text):
     return [int(d) for d in text.split(",")] if text else []
 
 
-def dot_flops_outside_ynn(hlo_text):
-    """``(outside, total)``: the dot FLOPs one device runs per call of the program outside
-    YNNPACK, and all of its dot FLOPs (a dot in a loop body counted its known trip count times)."""
+def slow_dot_flops(hlo_text):
+    """``(slow, total)``: the FLOPs of the 16-bit floating-point dots one device runs per call of
+    the program outside YNNPACK, and of all its dots (a dot in a loop body counted its known trip
+    count times)."""
     bodies, entry, current = {}, None, None
     for line in hlo_text.splitlines():
         if match := _COMPUTATION.match(line):
@@ -42,7 +48,7 @@ def dot_flops_outside_ynn(hlo_text):
             bodies[current].append(line)
     if entry is None:
         raise ValueError("not the text of a compiled HLO module (no ENTRY computation)")
-    shapes = {m.group(1): _dims(m.group(2)) for m in _DEFINITION.finditer(hlo_text)}
+    shapes = {m.group(1): (m.group(2), _dims(m.group(3))) for m in _DEFINITION.finditer(hlo_text)}
     # how often each computation runs per call, and whether it is a YNNPACK fusion's body
     runs, in_ynn, todo = {entry: 1}, {entry: False}, [entry]
     while todo:
@@ -54,7 +60,7 @@ def dot_flops_outside_ynn(hlo_text):
                     runs[callee] = runs[name] * (int(trips.group(1)) if trips else 1)
                     in_ynn[callee] = in_ynn[name] or "__ynn_fusion" in line
                     todo.append(callee)
-    outside = total = 0
+    slow = total = 0
     for name, count in runs.items():
         for line in bodies[name]:
             if match := _DOT.search(line):
@@ -62,15 +68,16 @@ def dot_flops_outside_ynn(hlo_text):
                 flops = 2 * count
                 for d in _dims(out):
                     flops *= d
+                dtype, dims = shapes[lhs]
                 for d in _dims(contracting):
-                    flops *= shapes[lhs][d]
+                    flops *= dims[d]
                 total += flops
-                outside += 0 if in_ynn[name] else flops
-    return outside, total
+                slow += flops if dtype in _NARROW and not in_ynn[name] else 0
+    return slow, total
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        outside, total = dot_flops_outside_ynn(f.read())
-    print(f"{outside / 1e9:.1f} of {total / 1e9:.1f} GFLOP of dots outside YNNPACK "
-          f"({outside / max(total, 1):.0%})")
+        slow, total = slow_dot_flops(f.read())
+    print(f"{slow / 1e9:.1f} of {total / 1e9:.1f} GFLOP of dots in 16 bits outside YNNPACK "
+          f"({slow / max(total, 1):.0%})")
