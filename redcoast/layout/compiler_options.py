@@ -12,17 +12,61 @@ asks for. jax 0.12's XLA:CPU keeps the barriers by itself (the same step holds o
 scores with or without the option; tests/test_compiler_options.py runs on both lines). XLA:GPU
 and the TPU compiler honour remat as they are (Llama-3-8B on 8 H100s, the same
 step: 128.5 GiB without remat, 61.0 GiB with it), so they are given nothing.
+
+A step that computes in 16 bits on XLA:CPU also goes without the algebraic simplifier
+(``algsimp``). jax 0.12's XLA:CPU keeps bfloat16 products in bfloat16 and hands them to YNNPACK
+only when the left operand contracts its trailing dimensions (XLA's ``IsDotSupportedByYnn``); the
+simplifier rewrites a weight gradient's ``transpose(dot(g, x))`` into a dot whose left operand
+contracts its leading one, which then runs in Eigen's bfloat16 GEMM, several times slower.
+Measured (B2's 1B width, 2 layers, seq 128, 8 simulated devices at 8x1, jax 0.12.0.1): 29% of
+the step's dot FLOPs went to Eigen and the hand-written step took 11.7 s; without the pass none
+do and it takes 5.0 s (MaxText's own step: 8.3 s; benchmarks/xla_cpu_dots.py reads the share).
+A float32 step loses nothing to Eigen (its float32 GEMM is as fast as YNNPACK's here) and keeps
+the pass. jax 0.10's XLA:CPU multiplies bfloat16 in float32, and there the pass helps (the same
+step: 6.8 s with it, 7.2 s and 13% more memory without), so it is dropped only where XLA:CPU
+keeps a bfloat16 product in bfloat16, which one compiled dot tells once per process.
 """
 
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+
 CPU_REMAT_KEPT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+CPU_16_BIT_DOTS_IN_YNNPACK = "algsimp"
+_HLO_NAMES = {"bfloat16": "bf16", "float16": "f16"}
 
 
-def for_platform(platform):
+def for_platform(platform, compute_dtype=None):
     """The ``compiler_options`` of ``jax.jit`` for a step compiled for ``platform``'s devices
-    ('cpu', 'gpu', 'tpu', ...): on XLA:CPU, remat's barriers kept (:data:`CPU_REMAT_KEPT`)."""
-    return dict(CPU_REMAT_KEPT) if platform == "cpu" else {}
+    ('cpu', 'gpu', 'tpu', ...) computing in ``compute_dtype`` (None: float32): on XLA:CPU,
+    remat's barriers kept (:data:`CPU_REMAT_KEPT`) and, computing in 16 bits, no algebraic
+    simplifier (:data:`CPU_16_BIT_DOTS_IN_YNNPACK`)."""
+    if platform != "cpu":
+        return {}
+    passes = [CPU_REMAT_KEPT["xla_disable_hlo_passes"]]
+    if compute_dtype is not None and jnp.issubdtype(compute_dtype, jnp.floating) \
+            and jnp.dtype(compute_dtype).itemsize < 4 and cpu_keeps_16_bit_dots(compute_dtype):
+        passes.append(CPU_16_BIT_DOTS_IN_YNNPACK)
+    return {"xla_disable_hlo_passes": ",".join(passes)}
 
 
-def for_mesh(mesh):
+@functools.cache
+def cpu_keeps_16_bit_dots(dtype) -> bool:
+    """Whether XLA:CPU multiplies two ``dtype`` matrices in ``dtype`` (jax 0.12) rather than
+    converting them to float32 first (jax 0.10): read from one small dot it compiles."""
+    dtype = jnp.dtype(dtype)
+    on_cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    matrix = jax.ShapeDtypeStruct((64, 64), dtype, sharding=on_cpu)
+    text = jax.jit(jnp.matmul).lower(matrix, matrix).compile().as_text()
+    products = re.findall(r"= (\w+)\[[0-9,]*\]\S* dot\(", text)
+    if not products:  # fails loudly: the text is XLA's, and a change there must be seen
+        raise RuntimeError(f"no dot in XLA:CPU's compiled matmul (jax {jax.__version__}): "
+                           "redcoast/layout/compiler_options.py reads its text")
+    return all(p == _HLO_NAMES.get(dtype.name) for p in products)
+
+
+def for_mesh(mesh, compute_dtype=None):
     """:func:`for_platform` of the devices of ``mesh`` (a ``jax.sharding.Mesh``)."""
-    return for_platform(mesh.devices.flat[0].platform)
+    return for_platform(mesh.devices.flat[0].platform, compute_dtype)

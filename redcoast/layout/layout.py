@@ -235,7 +235,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
         grad_step = jax.jit(lambda state, batch, rng: loss_and_grad(state, state.params, batch, rng),
                             in_shardings=(state_shardings, rows, replicated),
                             out_shardings=(replicated, replicated, state_shardings.params),
-                            compiler_options=compiler_options.for_mesh(mesh))
+                            compiler_options=compiler_options.for_mesh(mesh, recipe.compute_dtype))
     else:  # the user's own step differentiates itself: its grouped convolutions (forward and
         # backward) are guarded as they come (sharding/grouped_conv.py)
         step_fn = guard_grouped_convs(_returning_state_and_metrics(recipe.train_step_fn), mesh)
@@ -243,7 +243,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     # remat honoured on XLA:CPU too (compiler_options.py)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding, replicated),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,),
-                         compiler_options=compiler_options.for_mesh(mesh))
+                         compiler_options=compiler_options.for_mesh(mesh, recipe.compute_dtype))
     eval_step = jax.jit(make_eval_step(loss_fn, recipe.compute_dtype, plan.compute_shardings(),
                                        mesh, guard_plan),
                         in_shardings=(state_shardings, rows, rows, replicated),
