@@ -16,16 +16,18 @@ apart from a gap in the program itself.
     python benchmarks/xla_cpu_dots.py program.hlo     # the text of compiled.as_text()
 """
 
+import os
 import re
 import sys
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from redcoast.layout.comms import hlo_computations, hlo_multiplicities  # noqa: E402
+
 _DEFINITION = re.compile(r"%([\w.\-]+) = (\w+)\[([0-9,]*)\]")
 _NARROW = {"bf16", "f16"}
 _DOT = re.compile(r"= \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\), "
                   r"lhs_contracting_dims=\{([0-9,]*)\}")
-_CALLS = re.compile(r"(?:calls|body|to_apply|condition)=%([\w.\-]+)")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_YNN_BODY = re.compile(r"calls=%([\w.\-]+).*\"__ynn_fusion\"")
 
 
 def _dims(text):
@@ -36,30 +38,13 @@ def slow_dot_flops(hlo_text):
     """``(slow, total)``: the FLOPs of the 16-bit floating-point dots one device runs per call of
     the program outside YNNPACK, and of all its dots (a dot in a loop body counted its known trip
     count times)."""
-    bodies, entry, current = {}, None, None
-    for line in hlo_text.splitlines():
-        if match := _COMPUTATION.match(line):
-            current = match.group(1)
-            bodies[current] = []
-            entry = current if line.startswith("ENTRY") else entry
-        elif line == "}":
-            current = None
-        elif current is not None:
-            bodies[current].append(line)
+    bodies, entry = hlo_computations(hlo_text)
     if entry is None:
         raise ValueError("not the text of a compiled HLO module (no ENTRY computation)")
+    runs, _ = hlo_multiplicities(bodies, entry)
+    in_ynn = {m.group(1) for lines in bodies.values() for line in lines
+              if (m := _YNN_BODY.search(line))}
     shapes = {m.group(1): (m.group(2), _dims(m.group(3))) for m in _DEFINITION.finditer(hlo_text)}
-    # how often each computation runs per call, and whether it is a YNNPACK fusion's body
-    runs, in_ynn, todo = {entry: 1}, {entry: False}, [entry]
-    while todo:
-        name = todo.pop()
-        for line in bodies.get(name, ()):
-            trips = _TRIPS.search(line) if " while(" in line else None
-            for callee in _CALLS.findall(line):
-                if callee in bodies and callee not in runs:
-                    runs[callee] = runs[name] * (int(trips.group(1)) if trips else 1)
-                    in_ynn[callee] = in_ynn[name] or "__ynn_fusion" in line
-                    todo.append(callee)
     slow = total = 0
     for name, count in runs.items():
         for line in bodies[name]:
@@ -72,7 +57,7 @@ def slow_dot_flops(hlo_text):
                 for d in _dims(contracting):
                     flops *= dims[d]
                 total += flops
-                slow += flops if dtype in _NARROW and not in_ynn[name] else 0
+                slow += flops if dtype in _NARROW and name not in in_ynn else 0
     return slow, total
 
 

@@ -5,6 +5,8 @@ How ``fit`` reaches the compiled step, and the words the code uses, are in docs/
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,12 +235,8 @@ class Trainer:
         """Once, before the first step: choose the layout from the loss traced on the first
         batch (``batch_for(mesh)``: a first micro-batch on ``mesh``) and move the state to it."""
         if not self.layout.final:
-            abstract = {}  # one collate_fn call per mesh however often the layout asks
-
-            def abstract_batch_for(mesh):
-                if mesh not in abstract:
-                    abstract[mesh] = _abstract(batch_for(mesh))
-                return abstract[mesh]
+            # one collate_fn call per mesh, however often the layout and its checks ask
+            abstract_batch_for = functools.cache(lambda mesh: _abstract(batch_for(mesh)))
             self._adopt(choose_run_layout(self.recipe, self._state, self._progress.train_key,
                                           self.deployer, self._options, abstract_batch_for))
 

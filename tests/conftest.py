@@ -122,6 +122,10 @@ RUN_ONCE = {
         set(),
     "test_train_cli.py::test_bf16_compute_runs_the_model_in_bf16_not_float32_with_rounded_weights":
         set(),                                                          # 6
+    # a bf16 Llama compiled with and without the CPU options (5 s on jax 0.12; jax 0.11 keeps
+    # bf16 products as 0.12 does, so step 3 exercises the whole test; jax 0.10 returns at once)
+    "test_compiler_options.py::test_a_16_bit_step_on_xla_cpu_multiplies_in_ynnpack_and_computes_the_same_loss":
+        set(),
 }
 
 

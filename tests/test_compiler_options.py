@@ -85,18 +85,20 @@ def test_a_16_bit_step_on_xla_cpu_multiplies_in_ynnpack_and_computes_the_same_lo
     asked = compiler_options.for_platform("cpu", jnp.bfloat16)
     remat_only = compiler_options.for_platform("cpu")
     keeps = compiler_options.cpu_keeps_16_bit_dots(jnp.bfloat16)
-    # jax 0.10 multiplies bfloat16 in float32 (the simplifier stays: it helps there); 0.12 keeps
-    # bfloat16, and its simplifier sends a third of this step's products to Eigen's bf16 GEMM.
-    # If a jax fixes that, this fails: the option can then go (compiler_options.py says why)
-    line = tuple(int(x) for x in jax.__version__.split(".")[:2])
-    assert keeps if line >= (0, 12) else (not keeps if line <= (0, 10) else True)
-    assert ("algsimp" in asked["xla_disable_hlo_passes"]) == keeps
+    # jax 0.10 multiplies bfloat16 in float32 (the simplifier stays: it helps there; nothing
+    # else to compare); 0.11 and 0.12 keep bfloat16
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) <= (0, 10):
+        assert not keeps and asked == remat_only
+        return
+    assert keeps and asked["xla_disable_hlo_passes"].split(",") == ["cse_barrier_expander",
+                                                                     "algsimp"]
     compiled, params = _bf16_llama_value_and_grad(asked)
     default, _ = _bf16_llama_value_and_grad(remat_only)
-    slow_asked = slow_dot_flops(compiled.as_text())
+    # with the simplifier a third of this step's products go to Eigen's bf16 GEMM, without it
+    # none; if a jax fixes its lowering the first fails, and the option can go (compiler_options.py)
     slow_default = slow_dot_flops(default.as_text())
-    assert slow_asked[0] == 0, slow_asked
-    assert (slow_default[0] / slow_default[1] > 0.2) == keeps, slow_default
+    assert slow_default[0] / slow_default[1] > 0.2, slow_default
+    assert slow_dot_flops(compiled.as_text())[0] == 0
     # the same loss and gradients up to bfloat16's rounding
     (loss, grads), (loss_default, grads_default) = compiled(params), default(params)
     np.testing.assert_allclose(loss, loss_default, rtol=1e-2)

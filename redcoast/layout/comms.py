@@ -246,8 +246,8 @@ def _hlo_text(compiled):
     return compiled.as_text()
 
 
-def _computations(text):
-    """{name: [instruction lines]} and the entry computation's name."""
+def hlo_computations(text):
+    """``({name: [instruction lines]}, entry name)`` of a compiled module's HLO text."""
     comps, entry, current = {}, None, None
     for line in text.splitlines():
         m = _COMP_RE.match(line)
@@ -264,8 +264,9 @@ def _computations(text):
     return comps, entry
 
 
-def _multiplicities(comps, entry):
-    """How many times each computation runs per call of the entry (loops count their trips)."""
+def hlo_multiplicities(comps, entry):
+    """``({name: runs}, loops of unknown trip count)``: how many times each computation of
+    :func:`hlo_computations` runs per call of the entry (a loop counts its known trips)."""
     edges = defaultdict(list)  # caller -> [(callee, factor)]
     unknown = 0
     for name, lines in comps.items():
@@ -307,8 +308,8 @@ def collective_report(compiled, mesh=None):
     """
     text = _hlo_text(compiled)
     mesh_shape = None if mesh is None else dict(getattr(mesh, "shape", mesh))
-    comps, entry = _computations(text)
-    times, unknown = _multiplicities(comps, entry)
+    comps, entry = hlo_computations(text)
+    times, unknown = hlo_multiplicities(comps, entry)
     out = []
     for name, lines in comps.items():
         for line in lines:

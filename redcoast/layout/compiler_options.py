@@ -14,10 +14,11 @@ and the TPU compiler honour remat as they are (Llama-3-8B on 8 H100s, the same
 step: 128.5 GiB without remat, 61.0 GiB with it), so they are given nothing.
 
 A step that computes in 16 bits on XLA:CPU also goes without the algebraic simplifier
-(``algsimp``). jax 0.12's XLA:CPU keeps bfloat16 products in bfloat16 and hands them to YNNPACK
-only when the left operand contracts its trailing dimensions (XLA's ``IsDotSupportedByYnn``); the
-simplifier rewrites a weight gradient's ``transpose(dot(g, x))`` into a dot whose left operand
-contracts its leading one, which then runs in Eigen's bfloat16 GEMM, several times slower.
+(``algsimp``). The XLA:CPU of jax 0.11 and 0.12 keeps bfloat16 products in bfloat16 and hands
+them to YNNPACK only when the left operand contracts its trailing dimensions (XLA's
+``IsDotSupportedByYnn``); with the simplifier on, weight gradients reach it as dots whose left
+operand contracts its leading one, and those run in Eigen's bfloat16 GEMM, several times slower
+(with it off they keep the form autodiff wrote, and YNNPACK takes every one).
 Measured (B2's 1B width, 2 layers, seq 128, 8 simulated devices at 8x1, jax 0.12.0.1): 29% of
 the step's dot FLOPs went to Eigen and the hand-written step took 11.7 s; without the pass none
 do and it takes 5.0 s (MaxText's own step: 8.3 s; benchmarks/xla_cpu_dots.py reads the share).
@@ -54,8 +55,9 @@ def for_platform(platform, compute_dtype=None):
 
 @functools.cache
 def cpu_keeps_16_bit_dots(dtype) -> bool:
-    """Whether XLA:CPU multiplies two ``dtype`` matrices in ``dtype`` (jax 0.12) rather than
-    converting them to float32 first (jax 0.10): read from one small dot it compiles."""
+    """Whether XLA:CPU multiplies two ``dtype`` matrices in ``dtype`` (bfloat16 on jax 0.11 and
+    0.12) rather than converting them to float32 first (jax 0.10): read from one small dot it
+    compiles."""
     dtype = jnp.dtype(dtype)
     on_cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     matrix = jax.ShapeDtypeStruct((64, 64), dtype, sharding=on_cpu)
