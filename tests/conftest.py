@@ -142,6 +142,11 @@ NEEDS_THE_REFERENCE = {
 }
 
 
+def pytest_configure(config):
+    import heavy_first  # beside this file: the heaviest test files first (CI's two workers)
+    config.pluginmanager.register(heavy_first, "heavy_first")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
