@@ -8,7 +8,12 @@ third where ``import maxtext`` works (Python >= 3.12; maxtext_peer.py says how t
   hand:     ``jax.jit(value_and_grad + optax update, in_shardings, out_shardings,
             donate_argnums=0)``, the parameters cast to bfloat16 in the loss (fp32 master
             weights), with the mesh and the parameter shardings redcoast chose (read from the
-            redcoast run's record, so the hand step pays nothing for choosing them);
+            redcoast run's record, so the hand step pays nothing for choosing them) and the
+            XLA options redcoast compiles its step with (redcoast/layout/compiler_options.py:
+            on XLA:CPU at 16 bits, no algebraic simplifier), so that "/ hand" compares the
+            programs; ``--hand-xla-defaults`` leaves the hand step at XLA's defaults instead,
+            as a user's ``jax.jit`` is (on XLA:CPU with jax >= 0.11 that step runs 23-33% of
+            its bf16 matrix products in Eigen's slow kernel: column "slow");
   maxtext:  MaxText's own pre-training trainer with the same dims, ``ici_fsdp_parallelism`` x
             ``ici_tensor_parallelism`` = dp x mp, AdamW, bf16 compute and fp32 weights, no remat
             (maxtext_peer.py: every override and why). Its initialization and its synthetic
@@ -198,12 +203,14 @@ def run_redcoast(model, params, train, held_out, mesh, batch, workdir, record):
                 state=device0_bytes((state.params, state.opt_state)))
 
 
-def run_hand(model, params, train, held_out, mesh, batch, steps, record):
-    """What a user writes by hand: a mesh, the shardings, one jitted step with donation."""
+def run_hand(model, params, train, held_out, mesh, batch, steps, record, xla_defaults=False):
+    """What a user writes by hand: a mesh, the shardings, one jitted step with donation (and
+    redcoast's XLA options unless ``xla_defaults``)."""
     import jax
     import jax.numpy as jnp
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
+    from redcoast.layout import compiler_options
 
     with open(record) as f:
         chosen = json.load(f)
@@ -237,8 +244,10 @@ def run_hand(model, params, train, held_out, mesh, batch, steps, record):
         return (optax.apply_updates(p, updates), o), loss
 
     rows = NamedSharding(jax_mesh, P(axes[0]))
+    options = {} if xla_defaults else compiler_options.for_mesh(jax_mesh, jnp.bfloat16)
     step = jax.jit(update, in_shardings=((param_sh, opt_sh), rows),
-                   out_shardings=((param_sh, opt_sh), replicated), donate_argnums=0)
+                   out_shardings=((param_sh, opt_sh), replicated), donate_argnums=0,
+                   compiler_options=options)
     state, times, losses = (placed, opt_state), [], []
     for i in range(steps + 1):
         b = jax.device_put(collate(train[i * batch:(i + 1) * batch]), rows)
@@ -274,7 +283,8 @@ def one(args):
         out = run_redcoast(model, params, train, held_out, mesh, args.batch, args.workdir,
                            args.record)
     else:
-        out = run_hand(model, params, train, held_out, mesh, args.batch, args.steps, args.record)
+        out = run_hand(model, params, train, held_out, mesh, args.batch, args.steps, args.record,
+                       args.hand_xla_defaults)
     print(json.dumps(out))
 
 
@@ -288,6 +298,7 @@ def measure(args, program, mesh, workdir, cache, record):
             "--steps", str(args.steps), "--workdir", workdir, "--record", record, "--cache", cache]
     argv += ["--layers", str(args.layers)] if args.layers else []
     argv += ["--tiny"] if args.tiny else []
+    argv += ["--hand-xla-defaults"] if args.hand_xla_defaults else []
     out = subprocess.run(argv, capture_output=True, text=True, env=env)
     if out.returncode and program == PEER:  # a peer that cannot run a mesh loses its row only
         errors = [ln for ln in out.stderr.splitlines() if "Error: " in ln] or ["?"]
@@ -359,6 +370,9 @@ def main():
     ap.add_argument("--tiny", action="store_true",
                     help="both shapes shrunk, seq 32, one mesh each, one repeat, no warm "
                          "start (CI)")
+    ap.add_argument("--hand-xla-defaults", action="store_true",
+                    help="compile the hand step with XLA's default options (a user's jax.jit) "
+                         "rather than redcoast's")
     for hidden in ("--one", "--mesh", "--workdir", "--record", "--cache"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -374,6 +388,8 @@ def main():
         depth = f"{args.layers} layers" if args.layers else "its own depth"
         print(f"B2 {shape}{' (tiny)' if args.tiny else ''}, {depth}, seq {args.seq}, global "
               f"batch {args.batch}; {args.repeats} alternating runs per program; medians", flush=True)
+        print("hand: " + ("XLA's default options" if args.hand_xla_defaults else
+                          "redcoast's XLA options (compiler_options.py)"))
         print("MaxText: " + (f"maxtext {version(PEER)}" if PEER in args.programs else
                              "no row: not installed here (maxtext_peer.py says how)"))
         print(f"{'mesh':>5} {'program':>9} {'step ms':>9} {'/hand':>6} {'tokens/s':>9} "
