@@ -10,7 +10,7 @@ third where ``import maxtext`` works (Python >= 3.12; maxtext_peer.py says how t
             weights), with the mesh and the parameter shardings redcoast chose (read from the
             redcoast run's record, so the hand step pays nothing for choosing them) and the
             XLA options redcoast compiles its step with (redcoast/layout/compiler_options.py:
-            on XLA:CPU at 16 bits, no algebraic simplifier), so that "/ hand" compares the
+            on XLA:CPU at 16 bits, without XLA's simplifier), so that "/ hand" compares the
             programs; ``--hand-xla-defaults`` leaves the hand step at XLA's defaults instead,
             as a user's ``jax.jit`` is (on XLA:CPU with jax >= 0.11 that step runs 23-33% of
             its bf16 matrix products in Eigen's slow kernel: column "slow");

@@ -1,11 +1,15 @@
-"""Test files with the heaviest tests run first, so that CI's two workers end together.
+"""Test files with the heaviest tests run first, so that a step of few long tests ends on both
+workers together.
 
 pytest-xdist's ``worksteal`` gives each worker a contiguous half of the collection and lets an
 idle worker take the back half of the other's queue; a 70-second test collected last then runs
-alone at the end while the other worker waits (the examples step: 338 s for 564 s of tests on
-two workers). Ordering the files by their heaviest test, longest first, leaves the short ones
-for the end, where stealing evens the workers out. Whole files move, each keeping its own
-order: a file's module-scoped fixtures are set up once, as before.
+alone at the end while the other worker waits. Ordering the files by their heaviest test,
+longest first, leaves the short ones for the end, where stealing evens the workers out. Whole
+files move, each keeping its own order: a file's module-scoped fixtures are set up once, as
+before. Measured (2026-11-30, an empty compilation cache each): CI's examples step, 17 tests,
+ran 56 s longer than half its tests' summed time before and 14 s after; the slow step (150
+tests) and the run-once tests (117), compute-bound rather than tail-bound, did not change
+(7:16 against 7:08 for the run-once ones).
 """
 
 import pytest

@@ -27,9 +27,9 @@ compiled 5x as long (SmolLM2-135M's 30 layers, FSDP over 8 devices: 60.7 s again
 both on; perf: in the fixed-point pipeline's other passes); with the whole pipeline off as
 well, 30.1 s, the same 0% in Eigen, and redcoast's step computes the same eval loss to the bit
 (its first update at 8x1 35 s against 64, steps 4.7-4.9 s either way; at 2x4 28 s against 35,
-steps 4.9-5.2 against 4.8-5.0). Turning off that
-pipeline alone leaves the Eigen dots (7%); turning off the later pipelines that also run
-``algsimp`` as well breaks XLA:CPU (a gather it requires simplified: a CHECK failure).
+steps 4.9-5.2 against 4.8-5.0). Turning off that pipeline alone leaves the Eigen dots (7%);
+turning off ``post_scatter_expansion_simplification`` too, a later pipeline that also runs
+``algsimp``, aborts XLA:CPU (a gather it requires simplified: a CHECK failure).
 A float32 step loses nothing to Eigen (its float32 GEMM is as fast as YNNPACK's here) and keeps
 both. jax 0.10's XLA:CPU multiplies bfloat16 in float32, and there the pass helps (the same
 step: 6.8 s with it, 7.2 s and 13% more memory without), so they are dropped only where XLA:CPU
