@@ -44,6 +44,8 @@ redcoast, ...) ``--repeats`` times per mesh; medians are printed. Per row:
                 and / hand's on an empty cache
   warm 1st s    the same with the cache the first run left (redcoast's per-user cache and the
                 run's workdir; hand: JAX's compilation cache in a folder)
+  dot GF        the step's matrix-product GFLOP on one device (XLA's compiled program, while
+                bodies times their trip counts): a program that recomputes (remat) does more
   slow          the share of the step's matrix-product FLOPs that XLA:CPU runs in Eigen's bfloat16
                 GEMM rather than YNNPACK (xla_cpu_dots.py says why): several times slower on
                 this CPU, so a program with a larger share steps slower for the compiler's
@@ -154,11 +156,12 @@ def device0_bytes(tree):
                for s in x.addressable_shards if s.device == dev)
 
 
-def slow_dots(compiled):
-    """The share of ``compiled``'s dot FLOPs XLA:CPU runs in Eigen's 16-bit GEMM (xla_cpu_dots.py)."""
+def dot_flops(compiled):
+    """``{"slow_dots": share, "dot_flops": total}`` of ``compiled``'s matrix products on one
+    device: the share XLA:CPU runs in Eigen's 16-bit GEMM, and their FLOPs (xla_cpu_dots.py)."""
     from xla_cpu_dots import slow_dot_flops  # beside this file, on the child's path
     slow, total = slow_dot_flops(compiled.as_text())
-    return slow / max(total, 1)
+    return dict(slow_dots=slow / max(total, 1), dot_flops=total)
 
 
 def compiled_peak(compiled):
@@ -198,7 +201,7 @@ def run_redcoast(model, params, train, held_out, mesh, batch, workdir, record):
             f)
     compiled = trainer.compile_train_step(collate(train[:batch]))
     return dict(times=times, first_loss=losses[0], eval_loss=eval_loss,
-                peak=compiled_peak(compiled), slow_dots=slow_dots(compiled),
+                peak=compiled_peak(compiled), **dot_flops(compiled),
                 layout=trainer.layout.description,
                 state=device0_bytes((state.params, state.opt_state)))
 
@@ -262,7 +265,7 @@ def run_hand(model, params, train, held_out, mesh, batch, steps, record, xla_def
         for i in range(0, len(held_out), batch))
     compiled = step.lower(state, b).compile()
     return dict(times=times, first_loss=losses[0], eval_loss=eval_loss,
-                peak=compiled_peak(compiled), slow_dots=slow_dots(compiled),
+                peak=compiled_peak(compiled), **dot_flops(compiled),
                 state=device0_bytes(state))
 
 
@@ -353,6 +356,7 @@ def row(mesh, runs, tokens):
             f"{mesh:>5} {p:>9} {step[p] * 1e3:9.1f} {step[p] / step['hand']:6.3f} "
             f"{tokens / step[p]:9.0f} {x['state'] / 2**20:9.1f} {x['peak'] / 2**20:9.1f} "
             f"{first[p]:7.2f} {first[p] / first['hand']:6.2f} {warm[p]} {x['slow_dots']:5.0%} "
+            f"{x['dot_flops'] / 1e9:7.1f} "
             f"{firsts[p]:9.4f} "
             + (f"{losses[p]:9.4f}" if p in losses else f"{'-':>9}") + notes[p])
     return lines, agree
@@ -394,7 +398,7 @@ def main():
                              "no row: not installed here (maxtext_peer.py says how)"))
         print(f"{'mesh':>5} {'program':>9} {'step ms':>9} {'/hand':>6} {'tokens/s':>9} "
               f"{'state MiB':>9} {'peak MiB':>9} {'1st s':>7} {'/hand':>6} {'warm s':>7} "
-              f"{'slow':>5} {'1st loss':>9} {'eval loss':>9}")
+              f"{'slow':>5} {'dot GF':>7} {'1st loss':>9} {'eval loss':>9}")
         with tempfile.TemporaryDirectory() as scratch:
             for mesh in meshes.split(","):
                 lines, agree = row(mesh, one_mesh(args, mesh, scratch), args.batch * args.seq)

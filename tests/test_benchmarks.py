@@ -45,6 +45,8 @@ def test_real_size_tiny_runs_every_program_and_their_losses_agree():
     assert [(r[0], r[1]) for r in rows] == [("2x4", "redcoast"), ("2x4", "hand"),
                                            ("4x2", "redcoast"), ("4x2", "hand")], text
     assert all("agree;" in " ".join(r) for r in rows if r[1] == "redcoast"), text
+    # each program's matrix-product GFLOP a device (column "dot GF"), read from its compiled step
+    assert all(float(r[11]) > 0 for r in rows), text
 
 
 @pytest.mark.slow
