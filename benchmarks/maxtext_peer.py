@@ -17,13 +17,15 @@ command-line overrides (:func:`overrides` gives them), synthetic data, one proce
 simulated devices as ``ici_fsdp_parallelism`` x ``ici_tensor_parallelism`` = dp x mp. Settings
 that differ from its defaults, and why: ``remat_policy=minimal_with_context``, the policy its
 ``base.yml`` lists as the fastest (redcoast and the hand step recompute nothing; MaxText's
-default ``full`` recomputes every layer). MaxText always runs its layers under
-``jax.checkpoint``, and ``remat_policy=none`` is not "no remat": it gives the policy ``None``,
-which is JAX's full rematerialization, the same program as ``full`` (maxtext 0.2.5, SmolLM2 at
+default ``full`` recomputes every layer). MaxText runs its scanned layers (its default) under
+``jax.checkpoint`` whatever the policy, and there ``remat_policy=none`` is not "no remat" (as
+its unscanned Gemma4 path reads it): it gives the policy ``None``, which is JAX's full
+rematerialization, the same program as ``full`` (maxtext 0.2.5, SmolLM2 at
 8x1: the same 123.7 dot GFLOP a device and 522 MiB peak; B2's MaxText rows before 2026-11-30's
-last runs were measured so). ``minimal_with_context`` saves the projections, the MLP's and the
-attention's output and recomputes the rest (norms, RoPE, the attention weights): 103.3 GFLOP
-there, against redcoast's and the hand step's none (column "dot GF"). No gradient clipping and
+last runs were measured so). ``minimal_with_context`` saves the tensors MaxText names (the
+projections, the MLP's and the attention's outputs) and recomputes the others: 103.3 GFLOP
+there; at the 1B width, seq 512, the same 471.9 GFLOP a device as redcoast's step (column "dot
+GF" of real_size.py). No gradient clipping and
 a constant learning rate (the others clip nothing and use ``optax.adamw(lr)``), Adam's betas,
 epsilon and weight decay set to optax's, ``attention=dot_product`` (the CPU's), no checkpoints,
 no TensorBoard, its compilation cache in the run's folder (its default is ``~/jax_cache``).
