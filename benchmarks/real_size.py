@@ -356,7 +356,7 @@ def row(mesh, runs, tokens):
             f"{mesh:>5} {p:>9} {step[p] * 1e3:9.1f} {step[p] / step['hand']:6.3f} "
             f"{tokens / step[p]:9.0f} {x['state'] / 2**20:9.1f} {x['peak'] / 2**20:9.1f} "
             f"{first[p]:7.2f} {first[p] / first['hand']:6.2f} {warm[p]} {x['slow_dots']:5.0%} "
-            f"{x['dot_flops'] / 1e9:7.1f} "
+            f"{x['dot_flops'] / 1e9:7.4g} "
             f"{firsts[p]:9.4f} "
             + (f"{losses[p]:9.4f}" if p in losses else f"{'-':>9}") + notes[p])
     return lines, agree
