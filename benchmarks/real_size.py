@@ -44,12 +44,12 @@ redcoast, ...) ``--repeats`` times per mesh; medians are printed. Per row:
                 and / hand's on an empty cache
   warm 1st s    the same with the cache the first run left (redcoast's per-user cache and the
                 run's workdir; hand: JAX's compilation cache in a folder)
-  dot GF        the step's matrix-product GFLOP on one device (XLA's compiled program, while
-                bodies times their trip counts): a program that recomputes (remat) does more
   slow          the share of the step's matrix-product FLOPs that XLA:CPU runs in Eigen's bfloat16
                 GEMM rather than YNNPACK (xla_cpu_dots.py says why): several times slower on
                 this CPU, so a program with a larger share steps slower for the compiler's
                 reason, not its own
+  dot GF        the step's matrix-product GFLOP on one device (XLA's compiled program, while
+                bodies times their trip counts): a program that recomputes (remat) does more
   1st loss      the first update's training loss (the same parameters and batch in every
                 program), then the eval loss: the mean loss on held-out batches after ``--steps``
                 + 1 updates. Both must agree between the programs (bfloat16 compute: to 2e-2
