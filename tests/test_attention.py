@@ -82,6 +82,7 @@ def _xla_cases(t=12, s=12):
     valid = jnp.ones((2, s), jnp.int32).at[1, :5].set(0).at[0, 3].set(0)  # padding, a hole
     per_head = jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (2, 4, t, s))
     return {"causal": dict(causal=True), "window": dict(causal=True, window=4),
+            "a window without causal": dict(window=4),
             "padded": dict(mask=attention_mask(slots, jnp.arange(s), valid)),  # [B, 1, T, S]
             "per head": dict(mask=per_head), "unmasked": {},
             "a row that may attend nowhere": dict(mask=per_head.at[0, :, 2].set(False))}

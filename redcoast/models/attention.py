@@ -120,9 +120,9 @@ def _allowed(mask, causal, window, t, s, kv_heads):
         heads = mask.shape[1]
         allowed = (mask[:, :, None] if heads == 1 else  # one mask for every head
                    mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:]))
-    if causal or window is not None:
+    if causal or window is not None:  # a window is of past keys, causal or not (as jax's)
         query, key = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-        by_position = key <= query if causal else jnp.ones((t, s), bool)
+        by_position = key <= query
         if window is not None:
             by_position = by_position & (query - key < window)
         allowed = by_position if allowed is None else allowed & by_position
