@@ -194,11 +194,13 @@ def _blocked_and_xla(q, k, v, block, **kwargs):
     return blocked, xla
 
 
-@pytest.mark.parametrize("case", ["causal", "window", "padded rows", "one mask for all rows"])
+@pytest.mark.parametrize("case", ["causal", "window", "window without causal", "padded rows",
+                                  "one mask for all rows"])
 def test_blocked_attention_equals_xla_outputs_and_gradients(case):
     # 40 queries in blocks of 16: the last block padded
     q, k, v = _qkv(t=40)
-    kwargs = {"causal": dict(causal=True), "window": dict(causal=True, window=7)}.get(case, {})
+    kwargs = {"causal": dict(causal=True), "window": dict(causal=True, window=7),
+              "window without causal": dict(window=7)}.get(case, {})
     if case == "padded rows":
         valid = jnp.ones((2, 40), jnp.int32).at[1, :9].set(0)  # a left-padded row
         slots = jnp.arange(40)

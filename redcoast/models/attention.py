@@ -111,8 +111,9 @@ def dot_product_attention(q, k, v, *, mask=None, causal=False, window=None, scal
                                         local_window_size=local, implementation="cudnn")
 
 
-def _allowed(mask, causal, window, t, s, kv_heads):
-    """Where a query may attend, broadcastable to ``[B, K, G, T, S]``, or None for everywhere."""
+def _allowed(mask, causal, window, t, s, kv_heads, offset=0):
+    """Where a query may attend, broadcastable to ``[B, K, G, T, S]``, or None for everywhere;
+    the queries are at positions ``offset .. offset + t - 1`` of the keys'."""
     allowed = None
     if mask is not None:
         mask = jnp.asarray(mask, bool)
@@ -121,7 +122,7 @@ def _allowed(mask, causal, window, t, s, kv_heads):
         allowed = (mask[:, :, None] if heads == 1 else  # one mask for every head
                    mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:]))
     if causal or window is not None:  # a window is of past keys, causal or not (as jax's)
-        query, key = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+        query, key = offset + jnp.arange(t)[:, None], jnp.arange(s)[None, :]
         by_position = key <= query
         if window is not None:
             by_position = by_position & (query - key < window)
@@ -129,9 +130,11 @@ def _allowed(mask, causal, window, t, s, kv_heads):
     return allowed
 
 
-def xla_attention(q, k, v, *, mask=None, causal=False, window=None, scale=None):
+def xla_attention(q, k, v, *, mask=None, causal=False, window=None, scale=None, offset=0):
     """Attention in standard operations, for compilers without a fused kernel (XLA:CPU, TPUs,
-    GPUs where cuDNN is not chosen); arguments as :func:`dot_product_attention`'s.
+    GPUs where cuDNN is not chosen); arguments as :func:`dot_product_attention`'s, and
+    ``offset``: the position of the first query among the keys (a block of queries; traced or
+    not), for ``causal`` and ``window``.
 
     ``jax.nn.dot_product_attention``'s XLA path normalises the probabilities before multiplying
     them with the values and keeps the scores in float32 into the backward pass's products. This
@@ -149,7 +152,7 @@ def xla_attention(q, k, v, *, mask=None, causal=False, window=None, scale=None):
     scale = head_dim ** -0.5 if scale is None else scale
     grouped = q.reshape(b, t, kv_heads, n // kv_heads, head_dim)
     scores = jnp.einsum("btkgh,bskh->bkgts", grouped, k).astype(jnp.float32) * scale
-    allowed = _allowed(mask, causal, window, t, s, kv_heads)
+    allowed = _allowed(mask, causal, window, t, s, kv_heads, offset)
     if allowed is not None:  # jax's value: a row that may attend nowhere averages every value
         scores = jnp.where(allowed, scores, -0.7 * jnp.finfo(jnp.float32).max)
     top = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
@@ -164,8 +167,8 @@ def blocked_attention(q, k, v, *, mask=None, causal=False, window=None, scale=No
     """XLA's attention (as :func:`dot_product_attention` takes it) computed ``block`` queries at
     a time under a scan whose body is rematerialised: the backward pass holds one block's scores,
     ``[B, N, block, S]``, not all of them. Each block is :func:`xla_attention` over
-    every key with that block's rows of the mask (causal and window ones built from the
-    positions), so each row's softmax is the one XLA's attention computes."""
+    every key with that block's rows of the mask and the block's first position as its offset,
+    so each row's softmax is the one XLA's attention computes."""
     b, t, n, _ = q.shape
     s = k.shape[1]
     block = min(block, t)
@@ -184,15 +187,9 @@ def blocked_attention(q, k, v, *, mask=None, causal=False, window=None, scale=No
 
     def one(_, xs):
         q_block, mask_block, first = xs
-        allowed = mask if mask is not None and not rows_masked else mask_block
-        if causal or window is not None:
-            query = first + jnp.arange(block)[:, None]
-            key = jnp.arange(s)[None, :]
-            by_position = key <= query if causal else jnp.ones((block, s), bool)
-            if window is not None:
-                by_position = by_position & (query - key < window)
-            allowed = by_position[None, None] if allowed is None else allowed & by_position
-        out = xla_attention(q_block, k, v, mask=allowed, scale=scale)
+        block_mask = mask if mask is not None and not rows_masked else mask_block
+        out = xla_attention(q_block, k, v, mask=block_mask, causal=causal, window=window,
+                            scale=scale, offset=first)
         return None, out
 
     # no CSE barrier needed inside a scan body (the loop keeps the recomputation apart)
