@@ -170,7 +170,6 @@ def blocked_attention(q, k, v, *, mask=None, causal=False, window=None, scale=No
     every key with that block's rows of the mask and the block's first position as its offset,
     so each row's softmax is the one XLA's attention computes."""
     b, t, n, _ = q.shape
-    s = k.shape[1]
     block = min(block, t)
     n_blocks = -(-t // block)
     pad = n_blocks * block - t  # padded queries attend as the mask allows, then are dropped
