@@ -366,6 +366,7 @@ def row(mesh, runs, tokens):
              "hand": "",
              PEER: f"  its own init and data; {runs[PEER]['fresh'][0]['layout']}" if PEER in runs
              else ""}
+
     def ratio(figures, p, digits):
         return f"{figures[p] / figures['hand']:6.{digits}f}" if hand else f"{'-':>6}"
 
@@ -397,12 +398,15 @@ def main():
     ap.add_argument("--hand-xla-defaults", action="store_true",
                     help="compile the hand step with XLA's default options (a user's jax.jit) "
                          "rather than redcoast's")
+    ap.add_argument("--no-maxtext", action="store_true",
+                    help="run redcoast and the hand step only, even where MaxText is installed")
     for hidden in ("--one", "--mesh", "--workdir", "--record", "--cache"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         return one(args)
-    args.programs = PROGRAMS + ((PEER,) if importlib.util.find_spec(PEER) else ())
+    args.programs = PROGRAMS + ((PEER,) if importlib.util.find_spec(PEER) and not args.no_maxtext
+                                else ())
     runs = [(args.shape, args.meshes)]
     if args.tiny:  # SmolLM2's 3 K/V heads over 4 model shards; the 1B's 4 over 2
         runs, args.seq, args.repeats, args.steps = [("smollm2", "2x4"), ("llama-1b", "4x2")], 32, 1, 2
@@ -415,6 +419,7 @@ def main():
         print("hand: " + ("XLA's default options" if args.hand_xla_defaults else
                           "redcoast's XLA options (compiler_options.py)"))
         print("MaxText: " + (f"maxtext {version(PEER)}" if PEER in args.programs else
+                             "no row: --no-maxtext" if args.no_maxtext else
                              "no row: not installed here (maxtext_peer.py says how)"))
         print(f"{'mesh':>5} {'program':>9} {'step ms':>9} {'/hand':>6} {'tokens/s':>9} "
               f"{'state MiB':>9} {'peak MiB':>9} {'1st s':>7} {'/hand':>6} {'warm s':>7} "
