@@ -1,12 +1,15 @@
 """Run an example the way a user does (``python examples/NAME/main.py --tiny``) and read its metrics.
 
 Every example accepts ``--tiny`` (a run short enough for CI) and ``--metrics-out PATH`` (the final
-metrics as a JSON object). The example runs in its own process, with its own simulated devices,
-from the repository root, so its imports, devices and files are those a user gets.
+metrics as a JSON object). The example runs in its own process, with its own simulated devices and
+the repository on its path, as a user's does, from a folder emptied before each run: an example
+resumes from the checkpoints in its ``workdir/`` (relative to where it runs), so a second run from
+the repository root found the first one's finished run and trained nothing, and passed.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,16 +26,17 @@ def run_example(name, *args, timeout=None, tiny=True, check_layout=True):
 
     Raises ``AssertionError`` with the example's output when it fails.
     """
-    workdir = ROOT / "workdir" / "example-tests" / name
-    workdir.mkdir(parents=True, exist_ok=True)
+    # one folder per command: two runs of one example with other arguments may run at once
+    workdir = ROOT / "workdir" / "example-tests" / "-".join((name, *args)).replace("/", "_")
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
     metrics_path = workdir / "metrics.json"
-    metrics_path.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the example chooses its devices itself, as it would for a user
     command = [sys.executable, str(ROOT / "examples" / name / "main.py"), *(["--tiny"] if tiny else []),
                "--metrics-out", str(metrics_path), *(["--check-layout"] if check_layout else []), *args]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=timeout or (900 if tiny else None))
     seconds = time.perf_counter() - start
     assert done.returncode == 0, (
