@@ -12,9 +12,17 @@ simulate_cpu_devices(8)
 
 
 def _another_backends_compiler_installed():
-    import importlib.util
-    return any(importlib.util.find_spec(name) is not None
-               for name in ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin"))
+    """Whether libtpu or one of JAX's CUDA plugins (``redcoast plan``'s compilers) is installed."""
+    import importlib.metadata
+
+    from redcoast.cli.gpu_targets import CUDA_PLUGINS
+    for package in ("libtpu", *CUDA_PLUGINS):
+        try:
+            importlib.metadata.version(package)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
 
 
 # The tests' programs are small: XLA's CPU backend spends their time compiling, most of it in
