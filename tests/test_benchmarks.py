@@ -1,8 +1,11 @@
 """The benchmarks keep running on CPU (their --tiny modes), so they do not rot between runs."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,6 +50,23 @@ def test_real_size_tiny_runs_every_program_and_their_losses_agree():
     assert all("agree;" in " ".join(r) for r in rows if r[1] == "redcoast"), text
     # each program's matrix-product GFLOP a device (column "dot GF"), read from its compiled step
     assert all(float(r[11]) > 0 for r in rows), text
+
+
+def test_real_size_says_what_a_hand_step_killed_for_memory_needed(monkeypatch, capsys):
+    # the kernel's OOM killer leaves no Python error: the row names the kill and what the hand
+    # step's compiled program said it needs a device, printed before it ran
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # undone after the test
+    import real_size
+    said = json.dumps({"compiled": {"peak": 3338 * 2**20, "dot_flops": 1.54e12, "slow_dots": 0}})
+    for stdout, expected in ((said + "\n", "; its compiled step needs 3338 MiB a device, 1540 dot "
+                              "GFLOP\n"), ("", "most likely out of the host's memory\n")):
+        monkeypatch.setattr(real_size.subprocess, "run", lambda argv, stdout=stdout, **kw: (
+            subprocess.CompletedProcess(argv, -signal.SIGKILL, stdout=stdout, stderr="")))
+        args = SimpleNamespace(shape="llama-1b", seq=2048, batch=8, steps=2, layers=1,
+                               tiny=False, hand_xla_defaults=False)
+        assert real_size.measure(args, "hand", "4x2", "w", "off", "r") is None
+        out = capsys.readouterr().out
+        assert "4x2      hand failed: killed (SIGKILL)" in out and out.endswith(expected), out
 
 
 @pytest.mark.slow
