@@ -263,8 +263,7 @@ def run_hand(model, params, train, held_out, mesh, batch, steps, record, xla_def
     compiled = step.lower((placed, opt_state), b).compile()
     # what the compiler says the step needs, on stdout before it runs: if the kernel kills this
     # process for memory, the parent still has it to print
-    print(json.dumps({"compiled": dict(peak=compiled_peak(compiled), **dot_flops(compiled))}),
-          flush=True)
+    print(needs_line(compiled_peak(compiled), dot_flops(compiled)["dot_flops"]), flush=True)
     state, times, losses = (placed, opt_state), [], []
     for i in range(steps + 1):
         b = jax.device_put(collate(train[i * batch:(i + 1) * batch]), rows)
@@ -317,7 +316,8 @@ def measure(args, program, mesh, workdir, cache, record):
     argv += ["--hand-xla-defaults"] if args.hand_xla_defaults else []
     out = subprocess.run(argv, capture_output=True, text=True, env=env)
     if out.returncode == -signal.SIGKILL:  # the kernel's OOM killer leaves no Python error
-        killed = "failed: killed (SIGKILL), most likely out of the host's memory" + needs(out.stdout)
+        killed = ("failed: killed (SIGKILL), most likely out of the host's memory"
+                  + needs(out.stdout))
         if program == "redcoast":
             sys.exit(f"{program} on {mesh} {killed}")
         print(f"{mesh:>5} {program:>9} {killed}", flush=True)
@@ -333,12 +333,17 @@ def measure(args, program, mesh, workdir, cache, record):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def needs_line(peak, flops):
+    """The line a child prints before it runs its compiled step: its peak bytes and dot FLOPs."""
+    return json.dumps({"needs": {"peak": peak, "dot_flops": flops}})
+
+
 def needs(stdout):
     """What the killed child's compiled step needed, if it said so before it ran (the hand step
     does): the reason it did not fit, beside redcoast's row."""
     for line in stdout.splitlines():
-        if line.startswith('{"compiled"'):
-            c = json.loads(line)["compiled"]
+        if line.startswith('{"needs"'):
+            c = json.loads(line)["needs"]
             return (f"; its compiled step needs {c['peak'] / 2**20:.0f} MiB a device, "
                     f"{c['dot_flops'] / 1e9:.4g} dot GFLOP")
     return ""

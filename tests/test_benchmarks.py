@@ -1,6 +1,5 @@
 """The benchmarks keep running on CPU (their --tiny modes), so they do not rot between runs."""
 
-import json
 import os
 import signal
 import subprocess
@@ -57,7 +56,7 @@ def test_real_size_says_what_a_hand_step_killed_for_memory_needed(monkeypatch, c
     # step's compiled program said it needs a device, printed before it ran
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # undone after the test
     import real_size
-    said = json.dumps({"compiled": {"peak": 3338 * 2**20, "dot_flops": 1.54e12, "slow_dots": 0}})
+    said = real_size.needs_line(3338 * 2**20, 1.54e12)  # what run_hand prints before it runs
     for stdout, expected in ((said + "\n", "; its compiled step needs 3338 MiB a device, 1540 dot "
                               "GFLOP\n"), ("", "most likely out of the host's memory\n")):
         monkeypatch.setattr(real_size.subprocess, "run", lambda argv, stdout=stdout, **kw: (
