@@ -17,11 +17,11 @@ from redcoast.sharding.rewrite_plan import RewritePlan
 BATCH, SEQ = 8, 16
 
 
-def smollm2_shaped(layers=2):
+def smollm2_shaped(layers=2, seq=SEQ):
     """SmolLM2-135M's attention (hidden 576, 9 heads of 64, 3 K/V heads) with a narrow MLP."""
     return Model(llama.LlamaForCausalLM, llama.LlamaConfig(
         vocab_size=128, hidden_size=576, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=SEQ))
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=seq))
 
 
 def lm_loss(model):
@@ -31,9 +31,9 @@ def lm_loss(model):
     return loss
 
 
-def rows():
+def rows(n=BATCH, seq=SEQ):
     rng = np.random.default_rng(0)
-    return [{"ids": rng.integers(0, 128, SEQ + 1).astype(np.int32)} for _ in range(BATCH)]
+    return [{"ids": rng.integers(0, 128, seq + 1).astype(np.int32)} for _ in range(n)]
 
 
 def collate(rs):
@@ -45,16 +45,18 @@ def trainer(model, n_model_shards=4):
                    model.apply, lm_loss(model), model.init(0), optax.sgd(0.1))
 
 
-def chosen_matmuls(model, trainer_, flops_per_byte):
-    """(the matmuls the rewrite would split, what its walk found) in ``model``'s traced loss."""
+def chosen_matmuls(model, trainer_, flops_per_byte, batch_rows=None):
+    """(the matmuls the rewrite would split, what its walk found) in ``model``'s traced loss
+    of ``batch_rows`` (``rows()`` if None)."""
     params = trainer_.params
     plan = RewritePlan.from_sharding_plan(trainer_.plan)
-    batch = collate(rows())
+    batch = collate(batch_rows or rows())
     closed = jax.make_jaxpr(lambda p: lm_loss(model)(None, None, p, batch, True))(params)
     origins = weight_origins.of_weights(plan.leaf_splits(leaves_with_paths(params)))
     found = batch_split._Found()
     batch_split._walk(closed.jaxpr, weight_origins.propagate(closed.jaxpr, origins),
-                      [batch_split.NOTHING] * len(origins), found, trainer_.mesh.size, BATCH)
+                      [batch_split.NOTHING] * len(origins), found,
+                      tuple(trainer_.mesh.shape.values()), len(batch["ids"]))
     return batch_split.worth_splitting(found, trainer_.mesh, flops_per_byte), found
 
 
@@ -71,9 +73,12 @@ def test_the_matmuls_of_heads_that_do_not_divide_are_chosen_where_the_compute_pa
     # gathered for a split matmul: O's outputs (the MLP reads them); Q, K and V feed O, and
     # the logits the loss
     assert len(found.gathered & set(found.matmuls)) == 2
-    # FLOPs saved per token, x3 for the backward pass, against the bytes (fp32) of the exits
-    # gathered forward and scattered backward: a platform whose link byte costs more keeps all
-    saved = 3 * 2 * 576 * (2 * (576 + 192 + 192 + 576) + 128)
+    # between them: each layer's scores (Q against K) and values (the scores against V)
+    assert len(found.between) == 4 and not found.by_position  # 8 rows: one a device
+    # FLOPs saved per token (the projections', the scores' and values' over SEQ positions),
+    # x3 for the backward pass, against the bytes (fp32) of the exits gathered forward and
+    # scattered backward: a platform whose link byte costs more keeps all
+    saved = 3 * 2 * 576 * (2 * (576 + 192 + 192 + 576) + 128 + 2 * 2 * SEQ)
     moved = 2 * 4 * (2 * 576)
     assert not chosen_matmuls(model, t, flops_per_byte=1.01 * saved / moved)[0]
     assert len(chosen_matmuls(model, t, flops_per_byte=0.99 * saved / moved)[0]) == len(chosen)
@@ -84,9 +89,10 @@ def flops_of(compiled):
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
-def eval_flops(t):
-    layout, batch = t.layout, collate(rows())
-    batch, mask = (jax.device_put(x, layout.eval_batch_sharding) for x in (batch, np.ones(BATCH, bool)))
+def eval_flops(t, batch_rows=None):
+    layout, batch = t.layout, collate(batch_rows or rows())
+    mask = np.ones(len(batch["ids"]), bool)
+    batch, mask = (jax.device_put(x, layout.eval_batch_sharding) for x in (batch, mask))
     return flops_of(layout.eval_step.lower(t.state, batch, mask, jax.random.key(0)).compile())
 
 
@@ -112,6 +118,56 @@ def test_split_by_batch_the_step_computes_a_quarter_of_the_attention_and_trains_
     np.testing.assert_allclose(t.eval_loss(rows(), BATCH // 2),
                                trainer(model, 1).eval_loss(rows(), BATCH // 8), rtol=1e-5)
     report = t.check_layout(rows(), BATCH // 2)
+    assert report.ok and report.compared == "gradients"
+
+
+FEW, LONG = 4, 512  # 2 sequences a data shard of 2 x 4: neither they nor 9 heads divide by 4
+
+
+def test_too_few_sequences_to_split_the_heads_are_split_by_positions_where_that_pays():
+    model = smollm2_shaped(seq=LONG)
+    t = trainer(model)
+    t.compile_train_step(collate(rows(FEW, LONG)))
+    chosen, found = chosen_matmuls(model, t, flops_per_byte=667, batch_rows=rows(FEW, LONG))
+    # Q, K, V, O of both layers and the LM head, split by positions over the model shards;
+    # their 4 scores and values between them follow
+    assert len(chosen) == 9 and found.by_position == set(found.matmuls) == chosen
+    assert len(found.between) == 4 and not found.met
+    # the positions' split moves every one's output (K and V gathered for the scores; Q's
+    # counted too, which the rule cannot tell from them): per token, fp32, forward and back
+    saved = 3 * 2 * 576 * (2 * (576 + 192 + 192 + 576) + 128 + 2 * 2 * LONG)
+    moved = 2 * 4 * (2 * (576 + 192 + 192 + 576) + 128)
+    assert 667 < saved / moved  # at seq 512; at 256 it would not pay on CPU (570)
+    for rate, n in ((1.01 * saved / moved, 0), (0.99 * saved / moved, 9)):
+        assert len(chosen_matmuls(model, t, rate, batch_rows=rows(FEW, LONG))[0]) == n
+
+
+@pytest.mark.slow  # two steps of 512 positions compiled, an evaluation, a layout check: ~10 s
+def test_split_by_positions_the_step_computes_a_quarter_of_the_attention_and_trains_as_one_device(
+        monkeypatch):
+    model, batch_rows = smollm2_shaped(seq=LONG), rows(FEW, LONG)
+    t = trainer(model)
+    flops = flops_of(t.compile_train_step(collate(batch_rows)))
+    monkeypatch.setattr(steps, "flops_per_link_byte", lambda mesh: float("inf"))
+    repeating = trainer(model)
+    repeated = flops_of(repeating.compile_train_step(collate(batch_rows)))
+    repeated_eval = eval_flops(repeating, batch_rows)
+    monkeypatch.undo()
+    # per device, on 2 x 4: the projections and the attention on a quarter of each data shard's
+    # positions instead of all of them (forward: layers x 2 sequences x LONG positions)
+    per_token = 2 * 576 * (576 + 192 + 192 + 576) + 2 * 2 * LONG * 576
+    attention = 2 * per_token * (FEW // 2) * LONG
+    # measured: 1.91e10 -> 5.04e9, 1.04x that share saved (the LM head's too)
+    assert repeated - flops >= 3 * attention * (1 - 1 / 4), (repeated, flops)
+    # the evaluation, forward only, saves a third of that compute against half the bytes: at
+    # 512 positions that does not pay at CPU's rate (564 FLOPs a byte, not 667), and it stays
+    assert eval_flops(t, batch_rows) == repeated_eval
+    # the loss is one device's (the model run unjitted on the host's first device), and so are
+    # the gradients (the layout check)
+    batch = collate(batch_rows)
+    expected = lm_loss(model)(None, None, model.init(0), batch, False)
+    np.testing.assert_allclose(t.eval_loss(batch_rows, FEW // 2), expected, rtol=1e-5)
+    report = t.check_layout(batch_rows, FEW // 2)
     assert report.ok and report.compared == "gradients"
 
 

@@ -14,8 +14,12 @@ layers, seq 128, batch 8, 2 x 4, bf16, CPU): the step 15.8 s -> 7.5 s, the compi
 
 A matmul qualifies when its weight operand is a parameter (weight_origins.py) that the plan
 splits over no model shard, and its other operand's leading axis is free (neither contracted nor
-a dot batch axis) and holds whole examples split evenly over every device (a multiple of the
-global batch size, divisible by the device count); and when nothing computed from its output
+a dot batch axis) and holds whole examples (a multiple of the global batch size) split evenly
+over every device; or, where there are too few examples for that (SmolLM2 at seq 2048, 2
+sequences a data shard of 2 x 4), split evenly over the data shards with its next axis (the
+positions) free and split evenly over the model shards: the projections are position-wise, and
+XLA gathers K and V for the scores of each model shard's queries (measured, SmolLM2's attention
+with 2 layers, 4 sequences of 1024, 2 x 4, fp32: 53.0 -> 13.8 GFLOP a device a step); and when nothing computed from its output
 meets, in one operation, a value split over the model shards (a mixture of experts' router,
 kept whole, whose gates are contracted with the outputs of experts split by expert: pinned by
 batch, the routing is gathered to every expert's shard, 14x Megatron's bytes measured). Reading
@@ -23,9 +27,11 @@ its output into the matmul of a split weight (the MLP after the attention) is no
 split: that matmul gathers its input, once.
 
 The qualifying matmuls are split only where that pays: the compute the model shards no longer
-repeat (their FLOPs, forward and backward) against the bytes the split adds (the output of each
-one whose result leaves the split, gathered forward and scattered backward), weighed at the
-platform's FLOPs per link byte (layout/cost_model.py's rates). An MLP-Mixer's narrow token-mixing
+repeat (their FLOPs and those of the matmuls between them, the attention's scores and values;
+forward and backward) against the bytes the split adds (the output of each one whose result
+leaves the split, and of each one split by positions, which the attention mixes: gathered
+forward and scattered backward), weighed at the platform's FLOPs per link byte
+(layout/cost_model.py's rates). An MLP-Mixer's narrow token-mixing
 MLP does not pay (96 FLOPs per byte, CPU's threshold 667), SmolLM2's attention does (2,300).
 """
 
@@ -49,10 +55,13 @@ def _is_matmul(eqn):
     return eqn.primitive.name == "dot_general"
 
 
-def _activation_side(eqn, ins, devices, batch_size):
-    """The operand (0 or 1) of ``eqn`` that is the activation of a matmul of a weight kept whole
-    over the model shards, its leading axis whole examples split evenly over ``devices``; or
-    None. ``ins``: the operands' origins."""
+def _activation_split(eqn, ins, shards, batch_size):
+    """``(side, spec)`` for ``eqn`` the matmul of a weight kept whole over the model shards:
+    its activation operand (0 or 1) and the mesh axes to split that operand's leading axes over;
+    or None. By whole examples over every device, ``((data, model),)``, where the leading axis
+    holds them evenly; else by examples over the data shards and the next axis (positions)
+    over the model shards, ``(data, model)``, where both divide. ``ins``: the operands' origins;
+    ``shards``: (data shards, model shards)."""
     if not _is_matmul(eqn):
         return None
     whole = [o is not None and not o.weight.axes for o in ins[:2]]
@@ -61,10 +70,15 @@ def _activation_side(eqn, ins, devices, batch_size):
     side = 1 - whole.index(True)
     shape = eqn.invars[side].aval.shape
     contracted, batched = (d[side] for d in eqn.params["dimension_numbers"])
-    rows = shape[0] if shape else 0
-    if not rows or 0 in contracted or 0 in batched or rows % devices or rows % batch_size:
+    free = [d for d in range(len(shape)) if d not in contracted and d not in batched]
+    (dp, mp), rows = shards, shape[0] if shape else 0
+    if not rows or 0 not in free or rows % batch_size:
         return None
-    return side
+    if rows % (dp * mp) == 0:
+        return side, ((DATA_AXIS, MODEL_AXIS),)
+    if rows % dp == 0 and 1 in free and shape[1] % mp == 0:
+        return side, (DATA_AXIS, MODEL_AXIS)
+    return None
 
 
 def _split_weight_output(eqn, ins):
@@ -81,21 +95,27 @@ def _split_weight_output(eqn, ins):
 class _Found:
     """What the walk found: the qualifying matmuls (by id: their FLOPs x trips, their output's
     bytes x trips), those meeting a split, the qualifying matmuls each one's input came from,
-    and those whose output a split weight's matmul reads (gathered there)."""
+    those whose output a split weight's matmul reads (gathered there), those split by positions
+    (``by_position``), and the matmuls of two activations computed from qualifying ones only
+    (``between``, by id: FLOPs x trips and the qualifying matmuls they came from: the
+    attention's scores and values, repeated on every model shard as theirs are)."""
     matmuls: dict = dataclasses.field(default_factory=dict)
     met: set = dataclasses.field(default_factory=set)
     upstream: dict = dataclasses.field(default_factory=dict)
     gathered: set = dataclasses.field(default_factory=set)
+    by_position: set = dataclasses.field(default_factory=set)
+    between: dict = dataclasses.field(default_factory=dict)
 
 
 NOTHING = (False, frozenset())  # a value's facts: (split over the model shards, whole matmuls)
 
 
-def _walk(program, origins, facts_in, found, devices, batch_size, trips=1):
+def _walk(program, origins, facts_in, found, shards, batch_size, trips=1):
     """Fills ``found`` from ``program`` and the calls and scans it makes; returns its outputs'
     facts. A value's facts: whether it is split over the model shards, and the qualifying
     matmuls it is computed from; the matmul of a split weight reads its input (gathered) and
-    starts afresh. ``origins``: {variable: Origin}; ``facts_in``: the inputs' facts."""
+    starts afresh. ``origins``: {variable: Origin}; ``facts_in``: the inputs' facts;
+    ``shards``: (data shards, model shards)."""
     def rule(eqn, facts):
         facts = [f or NOTHING for f in facts]
         ins = [weight_origins.of(origins, v) for v in eqn.invars]
@@ -104,7 +124,7 @@ def _walk(program, origins, facts_in, found, devices, batch_size, trips=1):
             body = eqn.params["jaxpr"] if name == "scan" else called(eqn)
             inner = weight_origins.scan_body(eqn, ins) if name == "scan" else ins
             times = trips * (eqn.params["length"] if name == "scan" else 1)
-            outs = _walk(body, weight_origins.propagate(body, inner), facts, found, devices,
+            outs = _walk(body, weight_origins.propagate(body, inner), facts, found, shards,
                          batch_size, times)
             if name == "scan":  # a loop carry keeps the placement it came in with: what a
                 # split matmul adds to it is gathered back at every iteration (an LSTM's gates
@@ -117,16 +137,21 @@ def _walk(program, origins, facts_in, found, devices, batch_size, trips=1):
         if _is_matmul(eqn) and any(o is not None and o.weight.axes for o in ins[:2]):
             found.gathered.update(came_from)
             return [(_split_weight_output(eqn, ins), frozenset())]
-        if _activation_side(eqn, ins, devices, batch_size) is not None:
+        split = _activation_split(eqn, ins, shards, batch_size)
+        if split is not None:
             out = eqn.outvars[0].aval
             found.matmuls[id(eqn)] = (matmul_flops(eqn) * trips,
                                       np.prod(out.shape) * out.dtype.itemsize * trips)
             found.upstream[id(eqn)] = came_from
+            if len(split[1]) > 1:
+                found.by_position.add(id(eqn))
             if is_split:  # a qualifying matmul of a split input is left as it is
                 found.met.add(id(eqn))
             came_from = frozenset([id(eqn)])
         elif is_split and came_from:
             found.met.update(came_from)
+        elif _is_matmul(eqn) and came_from and all(o is None for o in ins[:2]):
+            found.between[id(eqn)] = (matmul_flops(eqn) * trips, came_from)
         return [(is_split, came_from)] * len(eqn.outvars)
 
     env = follow(program, facts_in, rule)
@@ -136,10 +161,11 @@ def _walk(program, origins, facts_in, found, devices, batch_size, trips=1):
 
 def worth_splitting(found, mesh, flops_per_byte, training=True):
     """The ids of the matmuls to split: the qualifying ones that meet no split (nor feed one
-    that does), if the compute they stop repeating (x3 in ``training``: forward and backward)
-    outweighs, at ``flops_per_byte``, the bytes they add (each output a split weight's matmul
-    reads: all-gathered forward, and in training reduce-scattered backward); else none. Per
-    device: the traced program is global."""
+    that does), if the compute they stop repeating (theirs and that of the matmuls between
+    them; x3 in ``training``: forward and backward) outweighs, at ``flops_per_byte``, the bytes
+    they add (each output a split weight's matmul reads, and each output of one split by
+    positions, whose positions the attention mixes: all-gathered forward, and in training
+    reduce-scattered backward); else none. Per device: the traced program is global."""
     met, todo = set(), list(found.met)
     while todo:  # what a met matmul's input came from would feed it split otherwise
         i = todo.pop()
@@ -150,15 +176,20 @@ def worth_splitting(found, mesh, flops_per_byte, training=True):
     dp, mp = mesh.shape.get(DATA_AXIS, 1), mesh.shape.get(MODEL_AXIS, 1)
     share = (1 - 1 / mp) / dp
     passes, transfers = (3, 2) if training else (1, 1)
-    saved = sum(passes * found.matmuls[i][0] for i in chosen) * share
-    moved = sum(transfers * found.matmuls[i][1] for i in chosen & found.gathered) * share
+    saved = (sum(found.matmuls[i][0] for i in chosen)
+             + sum(f for f, came_from in found.between.values() if came_from <= chosen))
+    saved *= passes * share
+    moved = sum(transfers * found.matmuls[i][1]
+                for i in chosen & (found.gathered | found.by_position)) * share
     return chosen if chosen and saved > moved * flops_per_byte else set()
 
 
-def _split_over(x, axis, mesh_axes, mesh):
-    """``x`` constrained to be split along ``axis`` over ``mesh_axes``, whole along the rest."""
+def _split_over(x, splits, mesh):
+    """``x`` constrained to be split as ``splits`` says ({axis: mesh axes}), whole along the
+    rest."""
     spec = [None] * x.ndim
-    spec[axis] = mesh_axes
+    for axis, mesh_axes in splits.items():
+        spec[axis] = mesh_axes
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
 
@@ -180,19 +211,21 @@ def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte, t
     ``fn`` itself."""
     if mesh.shape.get(MODEL_AXIS, 1) == 1 or not plan.knows_placements:
         return fn
+    shards = mesh.shape.get(DATA_AXIS, 1), mesh.shape[MODEL_AXIS]
 
     def rule(chosen, entries, eqn, vals, ins):
         if id(eqn) not in chosen:
             return None
-        side = _activation_side(eqn, ins, mesh.size, batch_size)
+        side, spec = _activation_split(eqn, ins, shards, batch_size)
         vals = list(vals)
         if id(eqn) in entries:  # kept as it comes (split over the data shards only) up to here,
             # so that the split does not spread back into what computed it (a classifier head:
             # the whole network's activations, 2.5x Megatron's bytes per layer measured)
-            vals[side] = _split_over(vals[side], 0, DATA_AXIS, mesh)
-        vals[side] = _split_over(vals[side], 0, (DATA_AXIS, MODEL_AXIS), mesh)
+            vals[side] = _split_over(vals[side], {0: DATA_AXIS}, mesh)
+        vals[side] = _split_over(vals[side], dict(enumerate(spec)), mesh)
         out = bind(eqn, vals)[0]
-        return [_split_over(out, output_axes(eqn)[(side, 0)], (DATA_AXIS, MODEL_AXIS), mesh)]
+        axes = output_axes(eqn)
+        return [_split_over(out, {axes[(side, d)]: m for d, m in enumerate(spec)}, mesh)]
 
     def split(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -201,7 +234,7 @@ def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte, t
         origins += [None] * (len(flat) - len(origins))
         found = _Found()
         _walk(closed.jaxpr, weight_origins.propagate(closed.jaxpr, origins), [NOTHING] * len(flat),
-              found, mesh.size, batch_size)
+              found, shards, batch_size)
         chosen = worth_splitting(found, mesh, flops_per_byte, training)
         if not chosen:  # the program as traced (tracing ``fn`` again would cost as much again)
             outs = evaluate(closed.jaxpr, flat, consts=closed.consts)

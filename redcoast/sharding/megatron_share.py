@@ -73,8 +73,9 @@ def shortfall(placements, axis_sizes):
     return (f"the plan holds {share.ratio:.2f}x the parameters per device that Megatron's split "
             f"over {n} model shards would ({share.held / 2**20:.2f} MiB, not "
             f"{share.megatron / 2**20:.2f}): {kept / 2**20:.2f} MiB of matmul weights are kept "
-            f"whole on every model shard (their matmuls are split by batch over the model shards "
-            f"where the compute saved outweighs the activations moved, else repeated on each):\n"
+            f"whole on every model shard (their matmuls are split by batch, or by positions, "
+            f"over the model shards where the compute saved outweighs the activations moved, "
+            f"else repeated on each):\n"
             + "\n".join(lines) +
             f"\nFix: if a split of them is right after all, name it in params_sharding_rules "
             f"(e.g. {example} with 'mp' on the axis to split; the layout check compares the "
