@@ -17,22 +17,23 @@ splits over no model shard, and its other operand's leading axis is free (neithe
 a dot batch axis) and holds whole examples (a multiple of the global batch size) split evenly
 over every device; or, where there are too few examples for that (SmolLM2 at seq 2048, 2
 sequences a data shard of 2 x 4), split evenly over the data shards with its next axis (the
-positions) free and split evenly over the model shards: the projections are position-wise, and
-XLA gathers K and V for the scores of each model shard's queries (measured, SmolLM2's attention
-with 2 layers, 4 sequences of 1024, 2 x 4, fp32: 53.0 -> 13.8 GFLOP a device a step); and when nothing computed from its output
-meets, in one operation, a value split over the model shards (a mixture of experts' router,
-kept whole, whose gates are contracted with the outputs of experts split by expert: pinned by
-batch, the routing is gathered to every expert's shard, 14x Megatron's bytes measured). Reading
-its output into the matmul of a split weight (the MLP after the attention) is not meeting a
-split: that matmul gathers its input, once.
+positions) free and split over the model shards (XLA pads an uneven last share: 511 positions, a
+batch's ids shifted by one, as 4 x 128): the projections are position-wise, and XLA gathers K
+and V for the scores of each model shard's queries (measured, SmolLM2's attention with 2 layers,
+4 sequences of 1024, 2 x 4, fp32: 53.0 -> 13.8 GFLOP a device a step); and when nothing computed
+from its output meets, in one operation, a value split over the model shards (a mixture of
+experts' router, kept whole, whose gates are contracted with the outputs of experts split by
+expert: pinned by batch, the routing is gathered to every expert's shard, 14x Megatron's bytes
+measured). Reading its output into the matmul of a split weight (the MLP after the attention) is
+not meeting a split: that matmul gathers its input, once.
 
 The qualifying matmuls are split only where that pays: the compute the model shards no longer
 repeat (their FLOPs and those of the matmuls between them, the attention's scores and values;
 forward and backward) against the bytes the split adds (the output of each one whose result
 leaves the split, and of each one split by positions, which the attention mixes: gathered
 forward and scattered backward), weighed at the platform's FLOPs per link byte
-(layout/cost_model.py's rates). An MLP-Mixer's narrow token-mixing
-MLP does not pay (96 FLOPs per byte, CPU's threshold 667), SmolLM2's attention does (2,300).
+(layout/cost_model.py's rates). An MLP-Mixer's narrow token-mixing MLP does not pay (96 FLOPs
+per byte, CPU's threshold 667), SmolLM2's attention does (2,300).
 """
 
 import dataclasses
@@ -60,8 +61,10 @@ def _activation_split(eqn, ins, shards, batch_size):
     its activation operand (0 or 1) and the mesh axes to split that operand's leading axes over;
     or None. By whole examples over every device, ``((data, model),)``, where the leading axis
     holds them evenly; else by examples over the data shards and the next axis (positions)
-    over the model shards, ``(data, model)``, where both divide. ``ins``: the operands' origins;
-    ``shards``: (data shards, model shards)."""
+    over the model shards, ``(data, model)``, where the examples divide and there is more than
+    one position (unevenly too: XLA pads the last share, 511 positions as 4 x 128; what that
+    costs, :func:`_kept`). ``ins``: the operands' origins; ``shards``: (data shards, model
+    shards)."""
     if not _is_matmul(eqn):
         return None
     whole = [o is not None and not o.weight.axes for o in ins[:2]]
@@ -76,9 +79,19 @@ def _activation_split(eqn, ins, shards, batch_size):
         return None
     if rows % (dp * mp) == 0:
         return side, ((DATA_AXIS, MODEL_AXIS),)
-    if rows % dp == 0 and 1 in free and shape[1] % mp == 0:
+    if rows % dp == 0 and 1 in free and shape[1] > 1:
         return side, (DATA_AXIS, MODEL_AXIS)
     return None
+
+
+def _kept(eqn, side, spec, model_shards):
+    """The share of its data shard's work that a device keeps when ``eqn``'s activation
+    (operand ``side``) is split as ``spec`` says: a model shard's, or where the positions do not
+    divide, the padded share XLA gives each (128 of 511 over 4)."""
+    if len(spec) == 1:
+        return 1 / model_shards
+    positions = eqn.invars[side].aval.shape[1]
+    return -(-positions // model_shards) / positions
 
 
 def _split_weight_output(eqn, ins):
@@ -94,11 +107,12 @@ def _split_weight_output(eqn, ins):
 @dataclasses.dataclass
 class _Found:
     """What the walk found: the qualifying matmuls (by id: their FLOPs x trips, their output's
-    bytes x trips), those meeting a split, the qualifying matmuls each one's input came from,
-    those whose output a split weight's matmul reads (gathered there), those split by positions
-    (``by_position``), and the matmuls of two activations computed from qualifying ones only
-    (``between``, by id: FLOPs x trips and the qualifying matmuls they came from: the
-    attention's scores and values, repeated on every model shard as theirs are)."""
+    bytes x trips, the share of them a device keeps split), those meeting a split, the
+    qualifying matmuls each one's input came from, those whose output a split weight's matmul
+    reads (gathered there), those split by positions (``by_position``), and the matmuls of two
+    activations computed from qualifying ones only (``between``, by id: FLOPs x trips and the
+    qualifying matmuls they came from: the attention's scores and values, repeated on every
+    model shard as theirs are)."""
     matmuls: dict = dataclasses.field(default_factory=dict)
     met: set = dataclasses.field(default_factory=set)
     upstream: dict = dataclasses.field(default_factory=dict)
@@ -141,7 +155,8 @@ def _walk(program, origins, facts_in, found, shards, batch_size, trips=1):
         if split is not None:
             out = eqn.outvars[0].aval
             found.matmuls[id(eqn)] = (matmul_flops(eqn) * trips,
-                                      np.prod(out.shape) * out.dtype.itemsize * trips)
+                                      np.prod(out.shape) * out.dtype.itemsize * trips,
+                                      _kept(eqn, *split, shards[1]))
             found.upstream[id(eqn)] = came_from
             if len(split[1]) > 1:
                 found.by_position.add(id(eqn))
@@ -173,14 +188,16 @@ def worth_splitting(found, mesh, flops_per_byte, training=True):
             met.add(i)
             todo.extend(found.upstream.get(i, ()))
     chosen = set(found.matmuls) - met
-    dp, mp = mesh.shape.get(DATA_AXIS, 1), mesh.shape.get(MODEL_AXIS, 1)
-    share = (1 - 1 / mp) / dp
     passes, transfers = (3, 2) if training else (1, 1)
-    saved = (sum(found.matmuls[i][0] for i in chosen)
-             + sum(f for f, came_from in found.between.values() if came_from <= chosen))
-    saved *= passes * share
-    moved = sum(transfers * found.matmuls[i][1]
-                for i in chosen & (found.gathered | found.by_position)) * share
+    shed = {i: 1 - found.matmuls[i][2] for i in chosen}  # what a device no longer computes
+    saved = (sum(found.matmuls[i][0] * shed[i] for i in chosen)
+             + sum(f * min(shed[i] for i in came_from)
+                   for f, came_from in found.between.values() if came_from <= chosen))
+    moved = sum(transfers * found.matmuls[i][1] * shed[i]
+                for i in chosen & (found.gathered | found.by_position))
+    # per device: the traced program is global, its batch split over the data shards
+    data_shards = mesh.shape.get(DATA_AXIS, 1)
+    saved, moved = saved * passes / data_shards, moved / data_shards
     return chosen if chosen and saved > moved * flops_per_byte else set()
 
 
