@@ -222,7 +222,8 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     rows = NamedSharding(mesh, P(DATA_AXIS))
     grad_step = None
     # the grouped-convolution guard splits channels as the plan does, fused or not, and the
-    # matmuls of weights kept whole are split by batch (or positions) in training and evaluation alike
+    # matmuls of weights kept whole are split by batch (or positions) in training and
+    # evaluation alike
     guard_plan = RewritePlan.from_sharding_plan(plan)
     if recipe.train_step_fn is None:
         step_fn = make_train_step(
