@@ -56,7 +56,7 @@ def chosen_matmuls(model, trainer_, flops_per_byte, batch_rows=None):
     found = batch_split._Found()
     batch_split._walk(closed.jaxpr, weight_origins.propagate(closed.jaxpr, origins),
                       [batch_split.NOTHING] * len(origins), found,
-                      tuple(trainer_.mesh.shape.values()), len(batch["ids"]))
+                      batch_split.shards_of(trainer_.mesh), len(batch["ids"]))
     return batch_split.worth_splitting(found, trainer_.mesh, flops_per_byte), found
 
 

@@ -84,6 +84,11 @@ def _activation_split(eqn, ins, shards, batch_size):
     return None
 
 
+def shards_of(mesh):
+    """``(data shards, model shards)`` of ``mesh``: what a split is weighed against."""
+    return mesh.shape.get(DATA_AXIS, 1), mesh.shape.get(MODEL_AXIS, 1)
+
+
 def _kept(eqn, side, spec, model_shards):
     """The share of its data shard's work that a device keeps when ``eqn``'s activation
     (operand ``side``) is split as ``spec`` says: a model shard's, or where the positions do not
@@ -196,7 +201,7 @@ def worth_splitting(found, mesh, flops_per_byte, training=True):
     moved = sum(transfers * found.matmuls[i][1] * shed[i]
                 for i in chosen & (found.gathered | found.by_position))
     # per device: the traced program is global, its batch split over the data shards
-    data_shards = mesh.shape.get(DATA_AXIS, 1)
+    data_shards = shards_of(mesh)[0]
     saved, moved = saved * passes / data_shards, moved / data_shards
     return chosen if chosen and saved > moved * flops_per_byte else set()
 
@@ -221,14 +226,14 @@ def _has_matmul(program):
 
 def split_batches_of_whole_weights(fn, mesh, plan, batch_size, flops_per_byte, training=True):
     """``fn(params, ...)`` with the matmuls of weights ``plan`` (a RewritePlan of ``params``,
-    rewrite_plan.py) keeps whole over the model shards run on a share of the batch per device,
-    where that pays at ``flops_per_byte`` (see the module docstring); ``batch_size``: the
+    rewrite_plan.py) keeps whole over the model shards run on a share of the batch (its
+    examples, or its positions) per device, where that pays at ``flops_per_byte`` (see the module docstring); ``batch_size``: the
     global batch's leading size; ``training``: whether ``fn`` is differentiated (the backward
     pass saves and moves as much again). On a mesh without model shards, or with the plan unknown,
     ``fn`` itself."""
-    if mesh.shape.get(MODEL_AXIS, 1) == 1 or not plan.knows_placements:
+    shards = shards_of(mesh)
+    if shards[1] == 1 or not plan.knows_placements:
         return fn
-    shards = mesh.shape.get(DATA_AXIS, 1), mesh.shape[MODEL_AXIS]
 
     def rule(chosen, entries, eqn, vals, ins):
         if id(eqn) not in chosen:
