@@ -132,6 +132,55 @@ def test_weights_heavier_than_their_rows_left_to_the_gpu_compiler_take_less_memo
     assert left.per_device_peak_bytes < gathered.per_device_peak_bytes
 
 
+@pytest.fixture
+def cudnn_attention(monkeypatch):
+    """The model's attention on cuDNN, as a bfloat16 run on an NVIDIA GPU traces it (redcoast's
+    plan computes its blocked XLA attention instead: plan_command.planned_attention). JAX asks
+    for cuDNN's library and the GPU's compute capability while tracing, neither here; compiling
+    needs neither. Returns the kernels chosen. Fails loudly where JAX renames what is patched."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    from redcoast.cli import plan_command
+    from redcoast.models import attention
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: False)
+    monkeypatch.setattr(attention, "cuda_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(plan_command, "planned_attention", lambda *args: None)
+    chosen, choose = [], attention.choose_implementation
+
+    def recorded(*args, **kwargs):
+        chosen.append(choose(*args, **kwargs).implementation)
+        return chosen[-1]
+    monkeypatch.setattr(attention, "choose_implementation",
+                        lambda *a, **k: attention.Choice(recorded(*a, **k), "recorded"))
+    return chosen
+
+
+def llama_config(tmp_path, hidden, heads, kv_heads):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=4096,
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+        tie_word_embeddings=False)))
+    return str(path)
+
+
+@pytest.mark.slow  # 3 s: compiled by XLA:GPU
+@needs_cuda_plugin
+def test_cudnns_attention_is_not_handed_a_split_of_positions(tmp_path, cudnn_attention):
+    """12 heads over 8 model shards keep Q, K, V and O whole, and one sequence a device is too
+    few to split by examples: sharding/batch_split.py would split their matmuls by positions,
+    which XLA spreads into cuDNN's attention, whose partitioner refuses it ("Sharding on
+    sequence dim is not allowed": the compile failed). Now the split is not made there."""
+    record = plan(llama_config(tmp_path, 1536, 12, 2), target="h100", devices=8,
+                  device_memory="80GiB", seq_len=1024, model_shards=8, per_device_batch_size=1,
+                  remat=False, scan_layers=False, param_dtype="bfloat16")
+    assert set(cudnn_attention) == {"cudnn"}
+    assert record.layout.startswith("dp=1 x mp=8") and record.fits
+
+
 @pytest.mark.slow  # 16 s: compiled twice by XLA:GPU
 @needs_cuda_plugin
 def test_a_step_over_a_gpus_memory_compiles_and_is_retried_with_remat(tiny_config):
