@@ -13,6 +13,7 @@ from redcoast.models import Model, llama
 from redcoast.sharding import batch_split, weight_origins
 from redcoast.sharding.paths import leaves_with_paths
 from redcoast.sharding.rewrite_plan import RewritePlan
+from test_device_bound import vendor_attention
 
 BATCH, SEQ = 8, 16
 
@@ -178,28 +179,8 @@ def test_split_by_positions_the_step_computes_a_quarter_of_the_attention_and_tra
     assert report.ok and report.compared == "gradients"
 
 
-def vendor_attention(q, k, v, **kwargs):
-    """Attention as a call XLA cannot see into (cuDNN's, a Pallas kernel): traced, never run."""
-    return jax.ffi.ffi_call("vendor_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))(q, k, v)
-
-
-def test_calls_xla_cannot_see_into_are_told_from_jaxs_own_operations():
-    def calls(fn, *args):
-        return [eqn for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
-    x = jnp.ones((2, 4, 3, 8))
-    vendor = calls(vendor_attention, x, x, x)
-    assert [e.primitive.name for e in vendor] == ["ffi_call"] and batch_split.opaque(vendor[0])
-    # jax's own operations, a custom derivative over them, a jitted call: seen into
-    assert not any(map(batch_split.opaque, calls(
-        lambda a: jax.jit(jax.nn.relu)(a @ a.swapaxes(-1, -2)).sum(), x)))
-    # a custom derivative whose primal is such a call, as cuDNN's attention is written
-    wrapped = jax.custom_vjp(vendor_attention)
-    wrapped.defvjp(lambda q, k, v: (vendor_attention(q, k, v), None), lambda _, g: (g, g, g))
-    (outer,) = calls(wrapped, x, x, x)
-    assert outer.primitive.name not in ("ffi_call",) and batch_split.opaque(outer)
-
-
-def test_positions_are_not_split_in_a_program_with_a_call_xla_cannot_see_into(monkeypatch):
+def test_positions_are_not_split_in_a_program_holding_an_operation_lowered_with_the_devices(
+        monkeypatch):
     """On a GPU the attention is cuDNN's, which refuses operands split by positions ("Sharding on
     sequence dim is not allowed", the compile fails: tests/test_plan_targets.py compiles it);
     XLA spreads the split along the residual stream into it even where the attention's own
@@ -210,14 +191,15 @@ def test_positions_are_not_split_in_a_program_with_a_call_xla_cannot_see_into(mo
     from redcoast.models import attention
     monkeypatch.setattr(attention, "xla_attention", vendor_attention)
     chosen, found = chosen_matmuls(model, t, flops_per_byte=0, batch_rows=rows(FEW, LONG))
-    assert found.opaque and found.by_position == set(found.matmuls) and len(found.matmuls) == 9
+    assert found.device_bound and found.by_position == set(found.matmuls)
+    assert len(found.matmuls) == 9
     assert not chosen and not found.between  # the scores and values are inside the call
     monkeypatch.undo()
     assert len(chosen_matmuls(model, t, 0, batch_rows=rows(FEW, LONG))[0]) == 9
     # 8 sequences, one a device: the examples split, which the call takes
     monkeypatch.setattr(attention, "xla_attention", vendor_attention)
     chosen, found = chosen_matmuls(model, t, flops_per_byte=0, batch_rows=rows(BATCH, LONG))
-    assert found.opaque and not found.by_position and len(chosen) == 9
+    assert found.device_bound and not found.by_position and len(chosen) == 9
 
 
 def test_nothing_changes_on_a_mesh_without_model_shards():

@@ -167,16 +167,23 @@ def llama_config(tmp_path, hidden, heads, kv_heads):
     return str(path)
 
 
-@pytest.mark.slow  # 3 s: compiled by XLA:GPU
+@pytest.mark.slow  # 3 s each: compiled by XLA:GPU
 @needs_cuda_plugin
-def test_cudnns_attention_is_not_handed_a_split_of_positions(tmp_path, cudnn_attention):
-    """12 heads over 8 model shards keep Q, K, V and O whole, and one sequence a device is too
-    few to split by examples: sharding/batch_split.py would split their matmuls by positions,
-    which XLA spreads into cuDNN's attention, whose partitioner refuses it ("Sharding on
-    sequence dim is not allowed": the compile failed). Now the split is not made there."""
-    record = plan(llama_config(tmp_path, 1536, 12, 2), target="h100", devices=8,
-                  device_memory="80GiB", seq_len=1024, model_shards=8, per_device_batch_size=1,
-                  remat=False, scan_layers=False, param_dtype="bfloat16")
+@pytest.mark.parametrize("hidden, heads, kv_heads, per_device_batch_size", [
+    (1536, 12, 2, 1), (1024, 32, 4, 1), (1024, 32, 4, 8)],
+    ids=["positions-split", "kv-heads-by-groups", "examples-split"])
+def test_cudnns_attention_compiles_in_redcoasts_tensor_parallel_step(
+        tmp_path, cudnn_attention, hidden, heads, kv_heads, per_device_batch_size):
+    """On 8 model shards, as a bfloat16 run on 8 GPUs compiles it, where two of redcoast's
+    choices failed the compile: 12 heads keep Q, K, V and O whole, and one sequence a device is
+    too few to split by examples, so sharding/batch_split.py split their matmuls by positions,
+    which XLA spread into cuDNN's attention ("Sharding on sequence dim is not allowed"); 4 K/V
+    heads (TinyLlama's) were kept by groups of shards, on a second view of the mesh ("mesh should
+    be the same across the entire program"). Neither is made in a step holding cuDNN's call."""
+    record = plan(llama_config(tmp_path, hidden, heads, kv_heads), target="h100", devices=8,
+                  device_memory="80GiB", seq_len=1024, model_shards=8,
+                  per_device_batch_size=per_device_batch_size, remat=False, scan_layers=False,
+                  param_dtype="bfloat16")
     assert set(cudnn_attention) == {"cudnn"}
     assert record.layout.startswith("dp=1 x mp=8") and record.fits
 

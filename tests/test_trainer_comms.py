@@ -80,6 +80,32 @@ def test_kv_heads_are_kept_by_groups_only_when_the_trainer_rewrites_their_projec
     assert k.spec == kv_spec
 
 
+def test_kv_heads_are_not_kept_by_groups_in_a_step_holding_a_host_callback():
+    # K/V kept by groups of shards are placed on a second view of the mesh, which JAX refuses in
+    # a program holding a host callback or cuDNN's attention ("mesh should be the same across the
+    # entire program": this step failed to compile; the H100 compile with cuDNN's attention is
+    # in tests/test_plan_targets.py): they are replicated there, and the loss is one device's
+    import numpy as np
+
+    arch = gqa(n_layers=1)
+
+    def loss_fn(rng, state, params, batch, is_training):
+        loss = arch.loss(params, batch)  # a metric computed on the host beside it
+        seen = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct((), loss.dtype),
+                                 jax.lax.stop_gradient(loss), vmap_method="sequential")
+        return loss + 0 * seen
+    rows = [{key: x[i] for key, x in arch.batch.items()} for i in range(B)]
+    trainer = Trainer(deployer=Deployer(n_model_shards=4, verbose=False),
+                      collate_fn=lambda rs: {key: np.stack([r[key] for r in rs]) for key in rs[0]},
+                      apply_fn=None, loss_fn=loss_fn, params=arch.params, optimizer=optax.sgd(0.1),
+                      fsdp=False)
+    trainer.compile_train_step(arch.batch)
+    k, = [pl for pl in trainer.plan.compute_placements if pl.path == ("layers", "0", "k")]
+    assert k.spec == P()
+    expected = float(arch.loss(arch.params, arch.batch))
+    assert trainer.eval_loss(rows, B // 2) == pytest.approx(expected, rel=1e-5)
+
+
 def test_fusion_is_on_by_default_and_never_costs_more_than_the_step_as_written():
     # fuse_matmuls=None: on with the built-in step, without comparing; the compiled steps with
     # fusion forced on and off show why: the fused one moves fewer bytes between model shards

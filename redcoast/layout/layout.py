@@ -27,12 +27,13 @@ from ..sharding.axes import DATA_AXIS, MODEL_AXIS
 from ..sharding.context import laid_out_for
 from ..sharding.dataflow import traced_placements
 from ..sharding.grouped_conv import guard_grouped_convs
+from ..sharding.device_bound import holds_device_bound
 from ..sharding.permuted import storage_loss_fn, stored_layout, traced_permuted_placements
 from ..sharding.rewrite_plan import RewritePlan
 from ..train_state import TrainState
 from . import compiler_options
 from .cost_model import choose, estimate, format_table, link_costs
-from .flops import traced_flops
+from .flops import jaxpr_flops
 from .fsdp_cost import agreed_by_all_processes, choose_fsdp, per_device_flops
 from .steps import (cast_floating, make_batch_eval_step, make_eval_step, make_loss_and_grad,
                     make_train_step)
@@ -167,10 +168,16 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch, platform="cpu", b
         return recipe.loss_fn(jax.random.PRNGKey(0), state,
                               cast_floating(params, recipe.compute_dtype), batch, True)
 
+    # the loss as the step traces it (a GPU's cuDNN attention in it): its FLOPs, and whether it
+    # holds an operation JAX lowers with the devices in hand
+    step_jaxpr = jax.make_jaxpr(traced_loss)(state.params, abstract_batch)
     # K/V heads kept by groups of shards pay only with the K/V projection rewritten (the
     # built-in step's fusion): as written, XLA gathers their gradient repeated per query head
-    # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated)
-    grouped = candidate.fuse_matmuls and recipe.train_step_fn is None
+    # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated). They are placed on a second
+    # view of the mesh, which JAX refuses in a program holding cuDNN's attention or a host
+    # callback ("mesh should be the same across the entire program": device_bound.py).
+    grouped = (candidate.fuse_matmuls and recipe.train_step_fn is None
+               and not holds_device_bound(step_jaxpr))
     permutations = {}
     options = dict(n_model_shards=candidate.n_model_shards, group_kv_heads=grouped,
                    link_costs=link_costs(mesh))
@@ -183,7 +190,7 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch, platform="cpu", b
     if candidate.fsdp == BY_COST:
         unsplit = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
                                base_placements=placements, permutations=permutations)
-        flops = per_device_flops(traced_flops(traced_loss, state.params, abstract_batch), mesh.size)
+        flops = per_device_flops(jaxpr_flops(step_jaxpr), mesh.size)
         choice = agreed_by_all_processes(
             choose_fsdp(unsplit.before_fsdp, dict(mesh.shape), platform, flops,
                         len(mesh.local_devices), _state_bytes_per_param_byte(state), budget_bytes),

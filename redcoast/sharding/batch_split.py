@@ -26,9 +26,9 @@ experts' router, kept whole, whose gates are contracted with the outputs of expe
 expert: pinned by batch, the routing is gathered to every expert's shard, 14x Megatron's bytes
 measured). Reading its output into the matmul of a split weight (the MLP after the attention) is
 not meeting a split: that matmul gathers its input, once. Positions are not split in a program
-holding a call XLA cannot see into (:func:`opaque`): XLA spreads that split along the residual
-stream into the next attention's inputs, and cuDNN's attention, a GPU's in bfloat16, refuses
-them there (the compile fails: "Sharding on sequence dim is not allowed").
+holding an operation JAX lowers with the devices in hand (device_bound.py): XLA spreads that split
+along the residual stream into the next attention's inputs, and cuDNN's attention, a GPU's in
+bfloat16, refuses them there (the compile fails: "Sharding on sequence dim is not allowed").
 
 The qualifying matmuls are split only where that pays: the compute the model shards no longer
 repeat (their FLOPs and those of the matmuls between them, the attention's scores and values;
@@ -45,15 +45,14 @@ import functools
 import jax
 import numpy as np
 from jax.extend import core as jcore
-from jax.extend.core import primitives as jax_primitives
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import weight_origins
 from .axes import DATA_AXIS, MODEL_AXIS
-from .dataflow import RULES
 from .dataflow.recurrent import matmul_flops
 from .interpreter import (CALLS, REMATS, bind, called, evaluate, follow, opened, output_axes,
                           scan_operand_groups, sub_programs, total)
+from .device_bound import device_bound
 from .paths import leaves_with_paths
 
 
@@ -114,27 +113,6 @@ def _split_weight_output(eqn, ins):
     return False
 
 
-# what XLA's partitioner partitions itself: jax's own primitives (jax.extend lists them) and the
-# operations redcoast's data-flow analysis follows (``split`` among them, which jax.extend does
-# not list); anything else lowers to a call XLA cannot see into (cuDNN's attention, a Pallas
-# kernel, an FFI call), partitioned by its own rule if it has one
-PARTITIONED = frozenset(
-    {p.name for p in vars(jax_primitives).values() if isinstance(p, jcore.Primitive)}
-    | {name.replace("_", "-") for name in RULES} | set(RULES) | CALLS | REMATS)
-
-
-def _opaque_count(eqn, total_of):
-    if eqn.primitive.name not in PARTITIONED:
-        return 1
-    return sum(total_of(sub) for _, _, sub in sub_programs(eqn))
-
-
-def opaque(eqn):
-    """Whether ``eqn`` is, or holds, an operation XLA's partitioner cannot see into
-    (:data:`PARTITIONED`)."""
-    return _opaque_count(eqn, lambda sub: total(sub, _opaque_count)) > 0
-
-
 @dataclasses.dataclass
 class _Found:
     """What the walk found: the qualifying matmuls (by id: their FLOPs x trips, their output's
@@ -150,7 +128,7 @@ class _Found:
     gathered: set = dataclasses.field(default_factory=set)
     by_position: set = dataclasses.field(default_factory=set)
     between: dict = dataclasses.field(default_factory=dict)
-    opaque: bool = False  # whether the program holds a call XLA cannot see into (opaque())
+    device_bound: bool = False  # whether it holds an operation lowered with the devices
 
 
 NOTHING = (False, frozenset())  # a value's facts: (split over the model shards, whole matmuls)
@@ -180,7 +158,7 @@ def _walk(program, origins, facts_in, found, shards, batch_size, trips=1):
             return outs
         is_split = any(f[0] for f in facts)
         came_from = frozenset().union(*(f[1] for f in facts))
-        found.opaque = found.opaque or opaque(eqn)
+        found.device_bound = found.device_bound or device_bound(eqn)
         if _is_matmul(eqn) and any(o is not None and o.weight.axes for o in ins[:2]):
             found.gathered.update(came_from)
             return [(_split_weight_output(eqn, ins), frozenset())]
@@ -221,11 +199,10 @@ def worth_splitting(found, mesh, flops_per_byte, training=True):
             met.add(i)
             todo.extend(found.upstream.get(i, ()))
     chosen = set(found.matmuls) - met
-    if found.opaque:  # XLA spreads a split of positions beyond the matmuls split, along the
-        # residual stream into the next attention's inputs; a call it cannot see into refuses
-        # it there (cuDNN's attention: "Sharding on sequence dim is not allowed", the GPU
-        # compile fails) or is handed it gathered. A split of whole examples, which cuDNN
-        # takes as any data-parallel run's batch, is still made.
+    if found.device_bound:  # XLA spreads a split of positions beyond the matmuls split, along
+        # the residual stream into the next attention's inputs; cuDNN's attention refuses it
+        # there ("Sharding on sequence dim is not allowed", the GPU compile fails). A split of
+        # whole examples, which cuDNN takes as any data-parallel run's batch, is still made.
         chosen -= found.by_position
     passes, transfers = (3, 2) if training else (1, 1)
     shed = {i: 1 - found.matmuls[i][2] for i in chosen}  # what a device no longer computes
