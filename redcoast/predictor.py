@@ -55,7 +55,7 @@ class Predictor:
                                x.sharding if isinstance(x, jax.Array) else None) for x in leaves))
         if key not in self._compiled:
             mesh, shardings, used = self._placement(params)
-            pred_fn = laid_out_for(self.pred_fn, mesh.shape[MODEL_AXIS])
+            pred_fn = laid_out_for(self.pred_fn, mesh.shape[MODEL_AXIS], mesh=mesh)
 
             def step(p, batch, rng, index):
                 # parameters stored split further (FSDP) are gathered where used, not the activations

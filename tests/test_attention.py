@@ -250,3 +250,20 @@ def test_llama_with_blocked_attention_computes_the_same_logits_and_gradients(pad
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, want", [(8, 8, "mp"), (8, 4, "mp"), (6, 6, None)],
+                         ids=["heads-divide", "repeated-kv-divide", "heads-do-not-divide"])
+def test_query_key_and_value_reach_cudnn_split_alike(heads, kv_heads, want):
+    """cuDNN's partitioner takes them only split alike (tests/test_plan_targets.py compiles a
+    step for an H100): the heads over the model shards where both counts divide, positions and
+    head size whole, the batch as the step splits it."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from redcoast.models.attention import split_alike
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "mp"))
+    q = jax.ShapeDtypeStruct((4, 16, heads, 8), jnp.float32)
+    k = jax.ShapeDtypeStruct((4, 16, kv_heads, 8), jnp.float32)
+    compiled = jax.jit(lambda q, k, v: split_alike(q, k, v, mesh)).lower(q, k, k).compile()
+    specs = {(tuple(s.spec) + (None,) * 4)[1:4] for s in compiled.output_shardings}
+    assert specs == {(None, want, None)}

@@ -157,31 +157,34 @@ def cudnn_attention(monkeypatch):
     return chosen
 
 
-def llama_config(tmp_path, hidden, heads, kv_heads):
+def llama_config(tmp_path, hidden, heads, kv_heads, sliding_window=None):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=4096,
+        model_type="mistral" if sliding_window else "llama", vocab_size=4096,
+        architectures=["MistralForCausalLM" if sliding_window else "LlamaForCausalLM"],
         hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
-        tie_word_embeddings=False)))
+        tie_word_embeddings=False, sliding_window=sliding_window)))
     return str(path)
 
 
 @pytest.mark.slow  # 3 s each: compiled by XLA:GPU
 @needs_cuda_plugin
-@pytest.mark.parametrize("hidden, heads, kv_heads, per_device_batch_size", [
-    (1536, 12, 2, 1), (1024, 32, 4, 1), (1024, 32, 4, 8)],
-    ids=["positions-split", "kv-heads-by-groups", "examples-split"])
+@pytest.mark.parametrize("hidden, heads, kv_heads, window, per_device_batch_size", [
+    (1536, 12, 2, None, 1), (1024, 32, 4, None, 1), (1024, 32, 4, None, 8), (1024, 32, 4, 256, 1)],
+    ids=["positions-split", "kv-heads-by-groups", "examples-split", "kv-repeated-windowed"])
 def test_cudnns_attention_compiles_in_redcoasts_tensor_parallel_step(
-        tmp_path, cudnn_attention, hidden, heads, kv_heads, per_device_batch_size):
-    """On 8 model shards, as a bfloat16 run on 8 GPUs compiles it, where two of redcoast's
+        tmp_path, cudnn_attention, hidden, heads, kv_heads, window, per_device_batch_size):
+    """On 8 model shards, as a bfloat16 run on 8 GPUs compiles it, where three of redcoast's
     choices failed the compile: 12 heads keep Q, K, V and O whole, and one sequence a device is
     too few to split by examples, so sharding/batch_split.py split their matmuls by positions,
     which XLA spread into cuDNN's attention ("Sharding on sequence dim is not allowed"); 4 K/V
     heads (TinyLlama's) were kept by groups of shards, on a second view of the mesh ("mesh should
-    be the same across the entire program"). Neither is made in a step holding cuDNN's call."""
-    record = plan(llama_config(tmp_path, hidden, heads, kv_heads), target="h100", devices=8,
-                  device_memory="80GiB", seq_len=1024, model_shards=8,
+    be the same across the entire program"); a Mistral's 4 K/V heads, repeated per query head,
+    reached the kernel split unlike its queries ("Query, key and value should have same
+    sharding": models/attention.py now splits them alike)."""
+    record = plan(llama_config(tmp_path, hidden, heads, kv_heads, window), target="h100", devices=8,
+                  device_memory="80GiB", seq_len=512, model_shards=8,
                   per_device_batch_size=per_device_batch_size, remat=False, scan_layers=False,
                   param_dtype="bfloat16")
     assert set(cudnn_attention) == {"cudnn"}

@@ -223,7 +223,7 @@ def build_layout(recipe, candidate, mesh, plan, state, source="the parameters' s
     n = candidate.n_model_shards
     # the loss is traced knowing the number of model shards (sharding/context.py), and takes
     # the parameters as stored (fused projections permuted, sharding/permuted.py)
-    loss_fn = laid_out_for(storage_loss_fn(recipe.loss_fn, plan.permutations), n)
+    loss_fn = laid_out_for(storage_loss_fn(recipe.loss_fn, plan.permutations), n, mesh=mesh)
     rewrite = (RewritePlan.from_sharding_plan(plan)
                if candidate.fuse_matmuls and recipe.train_step_fn is None else None)
     rows = NamedSharding(mesh, P(DATA_AXIS))

@@ -22,9 +22,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..errors import ConfigError
-from ..sharding.context import vendor_kernels
+from ..sharding.axes import MODEL_AXIS
+from ..sharding.context import layout_mesh, vendor_kernels
 
 IMPLEMENTATIONS = (None, "xla", "cudnn", "blocked")  # None: chosen per call
 QUERY_BLOCK = 512  # queries a block of blocked_attention computes at once
@@ -107,8 +109,24 @@ def dot_product_attention(q, k, v, *, mask=None, causal=False, window=None, scal
     if choice.implementation == "xla":
         return xla_attention(q, k, v, mask=mask, causal=causal, window=window, scale=scale)
     local = None if window is None else (window - 1, 0)
+    mesh = layout_mesh()
+    if mesh is not None and mesh.shape.get(MODEL_AXIS, 1) > 1:
+        q, k, v = split_alike(q, k, v, mesh)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
                                         local_window_size=local, implementation="cudnn")
+
+
+def split_alike(q, k, v, mesh):
+    """``q, k, v`` (``[B, T, N, H]``) constrained to one sharding on ``mesh``: cuDNN's
+    partitioner takes them only split alike ("Query, key and value should have same sharding":
+    the compile fails), which XLA's propagation does not ensure (K/V repeated per query head: a
+    Mistral's 4 K/V heads on 8 model shards). The heads split over the model shards where both
+    counts divide, else whole; positions and head size whole (cuDNN refuses them split); the
+    batch as the rest of the step splits it."""
+    n = mesh.shape[MODEL_AXIS]
+    heads = MODEL_AXIS if q.shape[2] % n == 0 and k.shape[2] % n == 0 else None
+    sharding = NamedSharding(mesh, P(P.UNCONSTRAINED, None, heads, None))
+    return [jax.lax.with_sharding_constraint(x, sharding) for x in (q, k, v)]
 
 
 def _allowed(mask, causal, window, t, s, kv_heads, offset=0):
