@@ -314,6 +314,26 @@ def test_plan_itself_refuses_what_cannot_be_planned_before_compiling(tiny_config
         plan(str(tmp_path), **ask)
 
 
+@pytest.mark.parametrize("config, needle", [
+    ({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64,
+      "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 128,
+      "intermediate_size": 128, "max_position_embeddings": 64}, "'bert' is an encoder"),
+    ({"model_type": "vit", "architectures": ["ViTModel"], "hidden_size": 64,
+      "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,
+      "image_size": 32, "patch_size": 8}, "'vit' is an image model")], ids=["bert", "vit"])
+def test_a_family_redcoast_builds_but_does_not_plan_is_refused_with_what_to_do(tmp_path, config,
+                                                                              needle):
+    """Not an AttributeError from inside the step (BERT's encoder returned a tuple to the plan's
+    next-token loss): the plannable families, and how to measure this one."""
+    from redcoast.cli.plan_command import CAUSAL, NOT_PLANNED, SEQ2SEQ
+    from redcoast.models.pretrained import FAMILIES
+    assert set(FAMILIES) == set(CAUSAL) | set(SEQ2SEQ) | set(NOT_PLANNED)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PlanError, match="Fix: build your Trainer") as e:
+        plan(str(tmp_path), devices=8, device_memory="1GiB", seq_len=32)
+    assert needle in str(e.value) and "llama" in str(e.value)
+
+
 def test_the_configs_redcoast_plans_read_without_complaint():
     """No false alarm: every config of the benchmarks (the README's rows), and a null where
     Hugging Face fills in a default (num_key_value_heads: as many as the attention heads)."""

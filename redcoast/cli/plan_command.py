@@ -37,6 +37,11 @@ from ..errors import CompileFailure, PlanError
 from . import gpu_targets, plan_search
 
 SEQ2SEQ = ("t5", "bart")
+CAUSAL = ("llama", "mistral", "qwen2", "gpt2", "gptj", "opt")
+# families redcoast builds whose training the plan's token-sequence loss does not stand for
+NOT_PLANNED = {"bert": "an encoder (its loss reads no next tokens)",
+               "vit": "an image model (its inputs are pixels, not tokens)",
+               "vision-encoder-decoder": "an image-to-text model (its inputs are pixels)"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -584,7 +589,15 @@ def _check_request(config, devices, hosts, device_memory, seq_len, per_device_ba
         if value not in allowed:
             raise PlanError(f"{name}={value!r}. Fix: one of {allowed}.")
     from .config_file import read_model_config
-    read_model_config(config)
+    model_type = read_model_config(config)["model_type"]
+    if model_type in NOT_PLANNED:
+        raise PlanError(
+            f"{config}: model_type {model_type!r} is {NOT_PLANNED[model_type]}; redcoast plan "
+            f"plans language models, trained on token sequences of --seq-len (causal: "
+            f"{', '.join(CAUSAL)}; sequence to sequence: {', '.join(SEQ2SEQ)}). Fix: build "
+            "your Trainer and read trainer.compile_train_step(batch).memory_analysis() (the "
+            "compiler's bytes a device) or trainer.step_cost(batch) on a batch of your own, "
+            "which need no examples run.")
 
 
 def _in_subprocess(config, devices, hosts, device_memory, seq_len, per_device_batch_size,
