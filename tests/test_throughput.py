@@ -113,3 +113,26 @@ def test_throughput_logging_pulls_nothing_beyond_the_metrics(monkeypatch):
     trainer.train(make_examples(4 * 2 * 8), per_device_batch_size=2, shuffle=False,
                   log_every_n_steps=4)
     assert len(pulls) == 2  # one per logging window of 4 updates: the metrics' own
+
+
+def test_step_cost_and_compile_train_step_take_one_updates_micro_batches():
+    """With accumulate_grad_batches=2, one update's batch stacks 2 micro-batches on a new first
+    axis (as the docstrings say); both calls indexed that abstract batch and raised TypeError.
+    The update's matrix-product FLOPs are twice one micro-batch's, counted independently by a
+    trainer that does not accumulate."""
+    from redcoast.errors import ConfigError
+    model, params = make_model()
+    micro = collate_fn(make_examples(32))  # 8 per data shard x 4 data shards
+
+    def trainer(accumulate):
+        return Trainer(Deployer(jax_seed=0, n_model_shards=2, verbose=False), collate_fn,
+                       model.apply, loss_fn, params, optax.sgd(0.1),
+                       accumulate_grad_batches=accumulate)
+    one, two = trainer(1).step_cost(micro), trainer(2)
+    stacked = jax.tree_util.tree_map(lambda x: np.stack([x, x]), micro)
+    cost = two.step_cost(stacked)
+    assert (cost.examples, cost.tokens) == (2 * one.examples, 2 * one.tokens)
+    assert cost.flops_per_device == pytest.approx(2 * one.flops_per_device, rel=1e-12)
+    assert two.compile_train_step(stacked).memory_analysis() is not None
+    with pytest.raises(ConfigError, match=r"accumulate_grad_batches=2.*Fix: stack 2"):
+        trainer(2).step_cost(micro)

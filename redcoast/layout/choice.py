@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from ..errors import ConfigError
 from ..multihost import placement
 from ..sharding.axes import DATA_AXIS
 from ..sharding.dataflow import FALLBACK
@@ -67,8 +68,17 @@ def batches_like(example_batch, accumulate_grad_batches: int, n_data_shards: int
     """``batch_for(mesh)``: an abstract micro-batch shaped like ``example_batch`` (a global
     batch for ``n_data_shards``, with the micro-batch axis first when accumulating) with the same
     rows per data shard on ``mesh`` ('auto' trying other numbers of shards)."""
-    micro = jax.tree_util.tree_map(lambda x: x[0] if accumulate_grad_batches > 1 else x,
-                                   example_batch)
+    k = accumulate_grad_batches
+    if k > 1:
+        leading = {tuple(x.shape[:1]) for x in jax.tree_util.tree_leaves(example_batch)}
+        if leading != {(k,)}:
+            raise ConfigError(
+                f"accumulate_grad_batches={k}: the example batch's arrays lead with "
+                f"{sorted(leading)}, not the {k} micro-batches of one update. Fix: stack {k} "
+                "micro-batches as collate_fn returns them (np.stack([...]) on a new first axis), "
+                "as compile_train_step and step_cost take one update's batch.")
+    micro = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if k > 1 else x, example_batch)
     return lambda mesh: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
         (x.shape[0] * mesh.shape[DATA_AXIS] // n_data_shards, *x.shape[1:]), x.dtype), micro)
 
