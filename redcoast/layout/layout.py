@@ -26,8 +26,8 @@ from ..sharding import ShardingPlan
 from ..sharding.axes import DATA_AXIS, MODEL_AXIS
 from ..sharding.context import laid_out_for
 from ..sharding.dataflow import traced_placements
-from ..sharding.grouped_conv import guard_grouped_convs
 from ..sharding.device_bound import holds_device_bound
+from ..sharding.grouped_conv import guard_grouped_convs
 from ..sharding.permuted import storage_loss_fn, stored_layout, traced_permuted_placements
 from ..sharding.rewrite_plan import RewritePlan
 from ..train_state import TrainState

@@ -50,9 +50,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from . import weight_origins
 from .axes import DATA_AXIS, MODEL_AXIS
 from .dataflow.recurrent import matmul_flops
+from .device_bound import device_bound
 from .interpreter import (CALLS, REMATS, bind, called, evaluate, follow, opened, output_axes,
                           scan_operand_groups, sub_programs, total)
-from .device_bound import device_bound
 from .paths import leaves_with_paths
 
 
