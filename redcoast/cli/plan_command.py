@@ -155,7 +155,12 @@ def parse_bytes(text):
     return int(size)
 
 
-def _loss_for(model, model_type):
+def _loss_for(model, model_type, stands_in_for_cudnn=False):
+    """The planned step's loss; ``stands_in_for_cudnn``: its attention (XLA's, by blocks) stands
+    in for the cuDNN kernel the run will call, and the loss holds, as the run's does, an
+    operation JAX lowers with the devices in hand (a sharding inspection, compiled away), so that
+    the layout makes the choices the run's will (sharding/device_bound.py: K/V heads not kept by
+    groups, no positions split)."""
     import optax
 
     def causal(rng, state, params, batch, is_training):
@@ -168,7 +173,16 @@ def _loss_for(model, model_type):
         logits = model.apply(params, ids[:, :-1], batch["mask"], batch["labels"][:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype("float32"), batch["labels"][:, 1:]).mean()
-    return seq2seq if model_type in SEQ2SEQ else causal
+    loss_fn = seq2seq if model_type in SEQ2SEQ else causal
+    if not stands_in_for_cudnn:
+        return loss_fn
+
+    def held_as_the_run_holds_it(*args):
+        import jax
+        loss = loss_fn(*args)
+        jax.debug.inspect_array_sharding(loss, callback=lambda sharding: None)
+        return loss
+    return held_as_the_run_holds_it
 
 
 def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_size, param_dtype,
@@ -204,7 +218,8 @@ def _attempt(config, devices, hosts, device_memory, seq_len, per_device_batch_si
     target_devices, compiler = _target(target, devices, hosts)
     deployer = Deployer(jax_seed=0, n_model_shards=shards, verbose=False,
                         memory_budget_bytes=device_memory, devices=target_devices)
-    trainer = Trainer(deployer, _no_examples, model.apply, _loss_for(model, model_type), abstract,
+    loss_fn = _loss_for(model, model_type, stands_in_for_cudnn=attention == "blocked")
+    trainer = Trainer(deployer, _no_examples, model.apply, loss_fn, abstract,
                       optimizers[optimizer], compute_dtype=jnp.dtype(param_dtype), fsdp=True,
                       fuse_matmuls=True)
     rows = deployer.global_batch_size(per_device_batch_size)
