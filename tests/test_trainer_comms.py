@@ -106,6 +106,27 @@ def test_kv_heads_are_not_kept_by_groups_in_a_step_holding_a_host_callback():
     assert trainer.eval_loss(rows, B // 2) == pytest.approx(expected, rel=1e-5)
 
 
+def test_a_rule_placing_kv_by_groups_in_a_step_holding_a_host_callback_is_refused_with_the_fix():
+    # JAX would refuse it at lowering ("mesh should be the same across the entire program"),
+    # naming neither the rule nor what to change
+    import numpy as np
+
+    from redcoast.errors import ConfigError
+    arch = gqa(n_layers=1)
+
+    def loss_fn(rng, state, params, batch, is_training):
+        loss = arch.loss(params, batch)
+        seen = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct((), loss.dtype),
+                                 jax.lax.stop_gradient(loss), vmap_method="sequential")
+        return loss + 0 * seen
+    trainer = Trainer(deployer=Deployer(n_model_shards=4, verbose=False), collate_fn=lambda rows: rows,
+                      apply_fn=None, loss_fn=loss_fn, params=arch.params, optimizer=optax.sgd(0.1),
+                      fsdp=False, params_sharding_rules=[(("layers", "0", "k"), P(None, "mp:2"))])
+    with pytest.raises(ConfigError, match=r"layers/0/k as (P|PartitionSpec)\(None, 'mp:2'\)"
+                                          r".*Fix: 'mp' or None"):
+        trainer.compile_train_step(arch.batch)
+
+
 def test_fusion_is_on_by_default_and_never_costs_more_than_the_step_as_written():
     # fuse_matmuls=None: on with the built-in step, without comparing; the compiled steps with
     # fusion forced on and off show why: the fused one moves fewer bytes between model shards

@@ -27,6 +27,7 @@ from ..sharding.axes import DATA_AXIS, MODEL_AXIS
 from ..sharding.context import laid_out_for
 from ..sharding.dataflow import traced_placements
 from ..sharding.device_bound import holds_device_bound
+from ..sharding.grouped_axes import entries as spec_entries, parse as parse_grouped
 from ..sharding.grouped_conv import guard_grouped_convs
 from ..sharding.permuted import storage_loss_fn, stored_layout, traced_permuted_placements
 from ..sharding.rewrite_plan import RewritePlan
@@ -176,8 +177,8 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch, platform="cpu", b
     # (gqa on 4 shards 1.375x Megatron's bytes, 1.125x replicated). They are placed on a second
     # view of the mesh, which JAX refuses in a program holding cuDNN's attention or a host
     # callback ("mesh should be the same across the entire program": device_bound.py).
-    grouped = (candidate.fuse_matmuls and recipe.train_step_fn is None
-               and not holds_device_bound(step_jaxpr))
+    device_bound = holds_device_bound(step_jaxpr)
+    grouped = candidate.fuse_matmuls and recipe.train_step_fn is None and not device_bound
     permutations = {}
     options = dict(n_model_shards=candidate.n_model_shards, group_kv_heads=grouped,
                    link_costs=link_costs(mesh))
@@ -199,7 +200,24 @@ def trace_plan(recipe, candidate, mesh, state, abstract_batch, platform="cpu", b
     plan = ShardingPlan(state.params, mesh, user_rules=recipe.params_sharding_rules,
                         base_placements=placements, fsdp=bool(candidate.fsdp),
                         permutations=permutations, fsdp_keep=keep, fsdp_note=note)
+    if device_bound:
+        _refuse_grouped_rules(plan)
     return plan, source
+
+
+def _refuse_grouped_rules(plan):
+    """A ConfigError where the user's rules place a parameter over groups of the model shards
+    in a step JAX lowers only with every sharding on one mesh (device_bound.py)."""
+    for pl in plan.compute_placements:
+        if any(parse_grouped(name)[1] for name in spec_entries(pl.spec)):
+            raise ConfigError(
+                f"params_sharding_rules place {'/'.join(map(str, pl.path))} as {pl.spec}: over "
+                "groups of the model shards, which lie on a second view of the mesh, and this "
+                "step holds an operation JAX lowers only with every sharding on one mesh "
+                "(cuDNN's attention, a custom_partitioning rule or a host callback such as "
+                "jax.pure_callback: 'mesh should be the same across the entire program'). Fix: "
+                "'mp' or None on that axis in the rule (redcoast itself keeps K/V heads "
+                "replicated in such a step).")
 
 
 def _state_bytes_per_param_byte(state):
