@@ -154,10 +154,10 @@ def trace_cudnn(monkeypatch):
     chosen, choose = [], attention.choose_implementation
 
     def recorded(*args, **kwargs):
-        chosen.append(choose(*args, **kwargs).implementation)
-        return chosen[-1]
-    monkeypatch.setattr(attention, "choose_implementation",
-                        lambda *a, **k: attention.Choice(recorded(*a, **k), "recorded"))
+        choice = choose(*args, **kwargs)
+        chosen.append(choice.implementation)
+        return choice
+    monkeypatch.setattr(attention, "choose_implementation", recorded)
     return chosen
 
 
